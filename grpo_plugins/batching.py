@@ -231,7 +231,7 @@ def make_plan(
     effective = spg * per_step
     if effective % num_generations:
         raise BatchPlanError(
-            f"the effective batch size ({spg} steps_per_generation * {procs} processes * {bs} "
+            f"the effective batch size ({spg} steps_per_generation * {procs} num_processes * {bs} "
             f"per_device_train_batch_size = {effective}) is not divisible by num_generations "
             f"({num_generations}); change per_device_train_batch_size, steps_per_generation "
             f"(or gradient_accumulation_steps) or num_generations so that it is, e.g. "

@@ -7,11 +7,51 @@ are names looked up in the registry; each may also be written as ``{name: ..., p
 
 from __future__ import annotations
 
+import copy
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from grpo_plugins.errors import GRPOPluginsError
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class ConfigError(GRPOPluginsError, ValueError):
+    """An invalid run config: every problem found, each as (dotted path, message).
+
+    Args:
+        errors: ``(path, message)`` pairs; the path is like ``rewards.1.params.max_len``
+            ("" for the config as a whole).
+        source: the config file, when there is one.
+    """
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        lines = [f"{p}: {m}" if p else m for p, m in self.errors]
+        if len(lines) == 1:
+            return f"invalid config{where}: {lines[0]}"
+        return f"invalid config{where}, {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class FieldError(ValueError):
+    """Raised inside validators to attach a message to a specific field's path."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class _Strict(BaseModel):
@@ -127,7 +167,7 @@ class GRPOConfig(_Strict):
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer update (alias gradient_accumulation).")
     steps_per_generation: int | None = Field(None, ge=1, description="Micro-steps per generation; None: gradient_accumulation_steps.")
     generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation).")
-    num_generations: int = Field(8, ge=2, description="Completions per prompt (G); at least 2.")
+    num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
 
     # -- optimisation ---------------------------------------------------------------------------
@@ -166,7 +206,7 @@ class GRPOConfig(_Strict):
         for alias, name in (("train_batch_size", "per_device_train_batch_size"), ("gradient_accumulation", "gradient_accumulation_steps")):
             if alias in data:
                 if name in data and data[name] != data[alias]:
-                    raise ValueError(f"{alias} is an alias of {name}; give only one of them")
+                    raise FieldError(alias, f"{alias} is an alias of {name}; give only one of them")
                 data[name] = data.pop(alias)
         model = data.get("model")
         if isinstance(model, dict):  # model: {name_or_path, dtype, lora, gradient_checkpointing}
@@ -174,7 +214,7 @@ class GRPOConfig(_Strict):
             for key in ("dtype", "lora", "gradient_checkpointing"):
                 if key in model:
                     if key in data:
-                        raise ValueError(f"give {key} either at the top level or under model, not both")
+                        raise FieldError(f"model.{key}", f"give {key} either at the top level or under model, not both")
                     data[key] = model.pop(key)
             data["model"] = model
         return data
@@ -191,10 +231,21 @@ class GRPOConfig(_Strict):
     @model_validator(mode="after")
     def _batching(self) -> GRPOConfig:
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
-            raise ValueError(
-                "steps_per_generation and generation_batch_size are mutually exclusive; set only one"
+            raise FieldError(
+                "generation_batch_size",
+                "steps_per_generation and generation_batch_size are mutually exclusive; set only one",
             )
         return self
+
+    @field_validator("num_generations")
+    @classmethod
+    def _at_least_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"must be at least 2 (GRPO compares the completions of a prompt with each other), "
+                f"got {value}; 8 is typical"
+            )
+        return value
 
     # -- resolved values ----------------------------------------------------------------------------
 
@@ -206,6 +257,19 @@ class GRPOConfig(_Strict):
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    @property
+    def resolved_generator(self) -> str | ComponentRef:
+        """The generation backend: ``generator``, else vllm with fast_inference, else transformers."""
+        if self.generator is not None:
+            return self.generator
+        return "vllm" if self.fast_inference else "transformers"
+
+    def to_yaml(self) -> str:
+        """The config as YAML, every field included (what a run writes to its output dir)."""
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
 
 def component_ref(value: str | ComponentRef | bool | None) -> ComponentRef | None:
     """Normalise a component field (a bare name or a mapping) to a ComponentRef."""
@@ -214,3 +278,287 @@ def component_ref(value: str | ComponentRef | bool | None) -> ComponentRef | Non
     if isinstance(value, ComponentRef):
         return value
     return ComponentRef(name=str(value))
+
+
+# -- loading: YAML, --set overrides, readable errors -------------------------------------------
+
+#: Top-level keys accepted besides the field names (see ``GRPOConfig._aliases``).
+CONFIG_ALIASES = ("train_batch_size", "gradient_accumulation")
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | GRPOConfig | None = None,
+    overrides: Iterable[str] = (),
+) -> GRPOConfig:
+    """Load a run config from a YAML file (or a mapping) and apply ``key=value`` overrides.
+
+    Args:
+        source: a YAML file, a mapping of config keys, an existing config, or None (defaults).
+        overrides: ``key=value`` strings as given to ``--set``; the value is parsed as YAML
+            (``3`` is an int, ``[a, b]`` a list, ``null`` None) and the key may be dotted
+            (``model.name_or_path``, ``rewards.0.weight``, ``loss_type.params.tau``).
+
+    Raises:
+        ConfigError: listing every problem with its dotted path; unknown keys come with a
+            "did you mean" suggestion.
+    """
+    import yaml
+
+    where: str | None = None
+    if source is None:
+        data: Any = {}
+    elif isinstance(source, GRPOConfig):
+        data = source.model_dump(exclude_unset=True)
+    elif isinstance(source, Mapping):
+        data = copy.deepcopy(dict(source))
+    else:
+        where = os.fspath(source)
+        try:
+            text = Path(where).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([("", f"cannot read the config file: {exc.strerror or exc}")], where) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError([("", f"not valid YAML: {at}{problem}")], where) from None
+        if data is None:
+            data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"the config must be a mapping of keys to values, got {type(data).__name__}")], where)
+    problems: list[tuple[str, str]] = []
+    for item in overrides:
+        try:
+            _apply_override(data, item)
+        except FieldError as exc:
+            problems.append((exc.field, str(exc)))
+    if problems:
+        raise ConfigError(problems, where)
+    try:
+        return GRPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(validation_errors(exc, GRPOConfig, data), where) from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b=value"`` -> ``("a.b", parsed value)``, the value parsed as YAML."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise FieldError(key or item, f"--set expects key=value, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as it is
+    return key, value
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, value = parse_override(item)
+    parts = key.split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        child = _child(node, part, key)
+        if child is _MISSING:
+            fields = GRPOConfig.model_fields
+            child = fields[part].get_default(call_default_factory=True) if depth == 0 and part in fields else None
+            child = copy.deepcopy(child.model_dump() if isinstance(child, BaseModel) else child)
+        if child is None:
+            child = {}
+        elif isinstance(child, str):  # a bare name gets a sub-key: expand to its mapping form
+            child = {"name_or_path" if (depth == 0 and part == "model") else "name": child}
+        elif not isinstance(child, (dict, list)):
+            raise FieldError(key, f"cannot set {key}: {'.'.join(parts[: depth + 1])} is {child!r}, not a mapping")
+        _put(node, part, child, key)
+        node = child
+    _put(node, parts[-1], value, key)
+
+
+_MISSING = object()
+
+
+def _child(node: Any, part: str, key: str) -> Any:
+    if isinstance(node, list):
+        index = _index(node, part, key)
+        return node[index] if index < len(node) else _MISSING
+    return node.get(part, _MISSING)
+
+
+def _put(node: Any, part: str, value: Any, key: str) -> None:
+    if isinstance(node, list):
+        index = _index(node, part, key)
+        if index == len(node):
+            node.append(value)
+        else:
+            node[index] = value
+    else:
+        node[part] = value
+
+
+def _index(node: list[Any], part: str, key: str) -> int:
+    try:
+        index = int(part)
+    except ValueError:
+        raise FieldError(key, f"cannot set {key}: '{part}' must be a list index (0 to {len(node)})") from None
+    if not 0 <= index <= len(node):
+        raise FieldError(key, f"cannot set {key}: index {index} is out of range (the list has {len(node)} items)")
+    return index
+
+
+# A union member tag in a pydantic error location: 'str', 'list[str]', "literal['a']",
+# 'function-after[check(), ModelSpec]', or a model class name.
+_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\])$")
+_TYPE_ERRORS = {
+    "string_type", "bool_type", "bool_parsing", "int_type", "int_parsing", "int_from_float",
+    "float_type", "float_parsing", "model_type", "model_attributes_type", "dict_type",
+    "list_type", "literal_error", "none_required", "is_instance_of",
+}
+
+
+def _is_tag(part: Any) -> bool:
+    return isinstance(part, str) and (bool(_TAG.match(part)) or part[:1].isupper())
+
+
+def _tag_model(tag: str) -> str | None:
+    """The model class a union tag names ('ModelSpec', 'function-after[f(), ModelSpec]')."""
+    match = re.search(r"([A-Z]\w*)\]?$", tag)
+    return match.group(1) if match and (tag[:1].isupper() or tag.startswith("function-")) else None
+
+
+def _describe_tag(tag: str, msg: str) -> str:
+    simple = {"str": "a string", "int": "a whole number", "float": "a number", "bool": "true or false", "none": "null"}
+    if tag in simple:
+        return simple[tag]
+    if tag.startswith("literal["):
+        return msg.removeprefix("Input should be ")
+    if tag.startswith("list["):
+        return "a list"
+    if tag.startswith("dict["):
+        return "a mapping"
+    model = _tag_model(tag)
+    return f"a mapping ({model})" if model else tag
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    out: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        out.extend(_models_in(arg))
+    return out
+
+
+def _model_at(root: type[BaseModel], path: list[Any], tag: str | None) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at ``path`` (None if unknown)."""
+    candidates: list[type[BaseModel]] = [root]
+    for part in path:
+        if isinstance(part, int):
+            continue
+        fields = {n: f for c in candidates for n, f in c.model_fields.items()}
+        if part not in fields:
+            return None
+        candidates = _models_in(fields[part].annotation)
+    if tag is not None:
+        named = [c for c in candidates if c.__name__ == _tag_model(tag)]
+        candidates = named or candidates
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def unknown_key_message(key: str, allowed: Iterable[str]) -> str:
+    """``unknown key 'x'; did you mean 'y'?`` (listing the allowed keys when they are few)."""
+    allowed = sorted(allowed)
+    msg = f"unknown key '{key}'"
+    close = difflib.get_close_matches(key, allowed, n=3, cutoff=0.6)
+    if close:
+        return msg + f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    if len(allowed) <= 12:
+        return msg + f"; allowed keys: {', '.join(allowed)}"
+    return msg + " (see docs/config.md for the accepted keys)"
+
+
+def validation_errors(exc: ValidationError, model: type[BaseModel], data: Any) -> list[tuple[str, str]]:
+    """Turn a pydantic ValidationError into one ``(dotted path, message)`` per real problem.
+
+    Union members are folded (``rewards.1: expected a string or a mapping (RewardSpec), got 5``
+    rather than one error per member), union tags are dropped from the path, and unknown keys get
+    a "did you mean" suggestion.
+    """
+    entries = []  # (path, tag, at_tag, error)
+    for err in exc.errors():
+        path: list[Any] = []
+        node: Any = data
+        tag: str | None = None
+        tag_depth: int | None = None
+        loc = list(err["loc"])
+        for i, part in enumerate(loc):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                node = node[part]
+            elif _is_tag(part) and i < len(loc) - 1 + (err["type"] != "missing"):
+                if tag is None:
+                    tag, tag_depth = part, len(path)
+                continue
+            else:
+                node = _MISSING
+            path.append(part)
+        at_tag = tag is not None and tag_depth == len(path)
+        entries.append((path, tag, tag_depth, at_tag, err))
+
+    # Fold the alternatives of each union into the member the input was meant for.
+    out: list[tuple[str, str]] = []
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for entry in entries:
+        path, tag, tag_depth, _, _ = entry
+        key = tuple(path[:tag_depth]) if tag is not None else ("<no-union>", id(entry))
+        groups.setdefault(key, []).append(entry)
+    for key, group in groups.items():
+        if group[0][1] is None:
+            out.extend(_one_error(model, e[0], None, e[4]) for e in group)
+            continue
+        matched = [e for e in group if not e[3] or e[4]["type"] not in _TYPE_ERRORS]
+        if matched:
+            out.extend(_one_error(model, e[0], e[1], e[4]) for e in matched)
+        else:
+            wanted = []
+            for e in group:
+                text = _describe_tag(e[1], e[4]["msg"])
+                if text not in wanted:
+                    wanted.append(text)
+            got = group[0][4].get("input")
+            out.append((_dotted(list(key)), f"expected {' or '.join(wanted)}, got {got!r}"))
+    unique: list[tuple[str, str]] = []
+    for item in out:
+        if item not in unique:
+            unique.append(item)
+    return unique
+
+
+def _one_error(root: type[BaseModel], path: list[Any], tag: str | None, err: Any) -> tuple[str, str]:
+    msg: str = err["msg"]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return cause.field, str(cause)
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(root, path[:-1], tag)
+        allowed = list(owner.model_fields) if owner is not None else []
+        if owner is GRPOConfig:
+            allowed += list(CONFIG_ALIASES)
+        return _dotted(path), unknown_key_message(str(path[-1]), allowed) if allowed else f"unknown key '{path[-1]}'"
+    if err["type"] == "missing":
+        msg = "required but missing"
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    if err["type"] not in {"missing", "value_error", "assertion_error"} and "input" in err:
+        got = err["input"]
+        if not isinstance(got, (dict, list)) or len(repr(got)) <= 60:
+            msg += f" (got {got!r})"
+    return _dotted(path), msg
+
+
+def _dotted(path: list[Any]) -> str:
+    return ".".join(str(p) for p in path)

@@ -12,6 +12,7 @@ import difflib
 import importlib.metadata
 import inspect
 import os
+import re
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from grpo_plugins import hookspecs
+from grpo_plugins.config import unknown_key_message, validation_errors
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import KINDS
 
@@ -89,12 +91,20 @@ class Component:
             return params
         if isinstance(params, BaseModel):
             params = params.model_dump()
+        errors: list[tuple[str, str]] = []
+        if model.model_config.get("extra") != "allow":  # unknown keys are typos, whatever the model says
+            allowed = set(model.model_fields) | {
+                f.alias for f in model.model_fields.values() if f.alias is not None
+            }
+            errors += [(str(k), unknown_key_message(str(k), allowed)) for k in params if k not in allowed]
         try:
-            return model.model_validate(params)
+            validated = model.model_validate(params)
         except ValidationError as exc:
-            errors = [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+            errors += [e for e in validation_errors(exc, model, params) if e not in errors]
+        if errors:
             detail = "; ".join(f"{p}: {m}" if p else m for p, m in errors)
-            raise ComponentParamsError(f"{self.kind} '{self.name}' params: {detail}", errors) from None
+            raise ComponentParamsError(f"{self.kind} '{self.name}' params: {detail}", errors)
+        return validated
 
     def build(self, params: dict[str, Any] | BaseModel | None = None) -> Any:
         """The ready-to-use component: ``cls(params)``, ``cls()``, or the object itself."""
@@ -128,6 +138,11 @@ def _first_paragraph(obj: Any) -> str:
     return doc.strip().split("\n\n")[0].replace("\n", " ")
 
 
+def normalize_distribution(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503): ``My_Plugin`` == ``my-plugin``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _env_disabled() -> frozenset[str]:
     raw = os.environ.get("GRPO_PLUGINS_DISABLE", "")
     return frozenset(x.strip() for x in raw.split(",") if x.strip())
@@ -155,7 +170,7 @@ class Registry:
         strict: bool | None = None,
         entry_points: bool = True,
     ) -> None:
-        self.disabled = frozenset(disabled) | _env_disabled()
+        self.disabled = frozenset(normalize_distribution(d) for d in (*disabled, *_env_disabled()))
         self.strict = _env_strict() if strict is None else strict
         self._discover = entry_points
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -169,7 +184,11 @@ class Registry:
         if self._loaded is None:
             self._loaded = _Loaded()
             if self._discover:
-                self._load_entry_points()
+                try:
+                    self._load_entry_points()
+                except PluginLoadError:
+                    self._loaded = None  # strict mode: fail again on the next use
+                    raise
         return self._loaded
 
     def _load_entry_points(self) -> None:
@@ -180,7 +199,7 @@ class Registry:
             if (dist, ep.name) in seen:  # the same distribution seen twice on sys.path
                 continue
             seen.add((dist, ep.name))
-            if dist in self.disabled or ep.name in self.disabled:
+            if normalize_distribution(dist) in self.disabled or normalize_distribution(ep.name) in self.disabled:
                 continue
             try:
                 module = ep.load()
@@ -197,7 +216,8 @@ class Registry:
             error=f"{type(exc).__name__}: {exc}",
             traceback="".join(traceback.format_exception(exc)),
         )
-        self._state.broken.append(broken)
+        assert self._loaded is not None
+        self._loaded.broken.append(broken)
         if self.strict:
             raise PluginLoadError(
                 f"plugin '{plugin}' from {dist} {version or ''} failed to load: {broken.error} "
@@ -350,7 +370,7 @@ class Registry:
         dist, _, bare = name.rpartition(":")
         entries = self._state.components[kind].get(bare, [])
         if dist:
-            entries = [c for c in entries if c.distribution == dist]
+            entries = [c for c in entries if normalize_distribution(c.distribution) == normalize_distribution(dist)]
         if not entries:
             raise UnknownComponentError(self._unknown_message(kind, name))
         if len(entries) > 1:
@@ -361,6 +381,16 @@ class Registry:
                 f"name one of them as {choices}, or disable one with GRPO_PLUGINS_DISABLE"
             )
         return entries[0]
+
+    def find(self, name: str, kind: str | None = None) -> list[Component]:
+        """Every component called ``name`` (or ``distribution:name``), of any kind or of ``kind``."""
+        dist, _, bare = name.rpartition(":")
+        return [
+            c
+            for c in self.components(kind)
+            if c.name == bare
+            and (not dist or normalize_distribution(c.distribution) == normalize_distribution(dist))
+        ]
 
     def build(self, kind: str, name: str, params: dict[str, Any] | BaseModel | None = None) -> Any:
         """Look up and build a component with its params in one step."""

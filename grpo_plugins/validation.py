@@ -1,0 +1,236 @@
+"""The complete check of a run config, without loading a model (``grpo-plugins validate``).
+
+Every component name is resolved in the registry, every component's params are validated by
+its own params model, the rewards (or the task's default rewards) and their weights are checked,
+and the batch plan is computed. All problems are collected and raised together as one
+:class:`~grpo_plugins.config.ConfigError`, each with its dotted path
+(``rewards.1.params.max_len: ...``). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from grpo_plugins.batching import BatchPlan, BatchPlanError, plan_from_config
+from grpo_plugins.config import ComponentRef, ConfigError, GRPOConfig, RewardSpec, load_config, validation_errors
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.registry import Component, ComponentParamsError, Registry, get_registry
+
+__all__ = ["COMPONENT_FIELDS", "ConfigCheck", "ConfigWarning", "check_config", "validate_config"]
+
+#: Config fields that name a single component, and the kind each one names.
+COMPONENT_FIELDS: dict[str, str] = {
+    "task": "task",
+    "loss_type": "loss_type",
+    "importance_sampling_level": "importance_sampling",
+    "scale_rewards": "reward_scaling",
+    "rollout_correction": "rollout_correction",
+    "generator": "generator",
+}
+
+
+class ConfigWarning(UserWarning):
+    """A config that is valid but probably not what was meant."""
+
+
+@dataclass
+class ConfigCheck:
+    """What checking a config found: the resolved components, the batch plan and the problems."""
+
+    config: GRPOConfig
+    registry: Registry
+    components: dict[str, Component] = field(default_factory=dict)  # config field -> component
+    rewards: list[tuple[RewardSpec, Component]] = field(default_factory=list)
+    rewards_from_task: bool = False
+    plan: BatchPlan | None = None
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def validate_config(
+    config: GRPOConfig | Mapping[str, Any] | str | os.PathLike[str],
+    registry: Registry | None = None,
+    *,
+    num_processes: int | None = None,
+) -> GRPOConfig:
+    """Check a config completely and return it (loaded, when given as a mapping or a path).
+
+    Args:
+        config: the config, a mapping or a YAML file.
+        registry: where components are looked up; default: the process-wide registry, or a
+            fresh one without ``config.disable_plugins`` when that is set.
+        num_processes: for the batch plan; default ``config.num_processes``, then the
+            ``WORLD_SIZE`` environment variable, then 1.
+
+    Raises:
+        ConfigError: listing every problem with its dotted path. Questionable settings emit
+            :class:`ConfigWarning` (and the batch planner's warnings).
+    """
+    check = check_config(config, registry, num_processes=num_processes)
+    if check.problems:
+        source = None if isinstance(config, (GRPOConfig, Mapping)) else os.fspath(config)
+        raise ConfigError(check.problems, source)
+    return check.config
+
+
+def check_config(
+    config: GRPOConfig | Mapping[str, Any] | str | os.PathLike[str],
+    registry: Registry | None = None,
+    *,
+    num_processes: int | None = None,
+) -> ConfigCheck:
+    """Like :func:`validate_config`, but return what was found instead of raising on problems
+    (a config that does not even load still raises :class:`ConfigError`)."""
+    if not isinstance(config, GRPOConfig):
+        config = load_config(config)
+    if registry is None:
+        registry = Registry(disabled=config.disable_plugins) if config.disable_plugins else get_registry()
+    check = ConfigCheck(config=config, registry=registry)
+    for name, kind in COMPONENT_FIELDS.items():
+        value = _component_value(config, name)
+        if value is None:
+            continue
+        component = _resolve(check, name, kind, value)
+        if component is not None:
+            check.components[name] = component
+    _check_rewards(check)
+    _check_data(check)
+    try:
+        check.plan = plan_from_config(config, num_processes)
+    except BatchPlanError as exc:
+        check.problems.append((exc.field, str(exc)))
+    _warn_questionable(config)
+    return check
+
+
+def _component_value(config: GRPOConfig, name: str) -> str | ComponentRef | None:
+    if name == "generator":
+        return config.resolved_generator
+    if name == "rollout_correction" and config.vllm_importance_sampling_correction is False:
+        # Not used by this run; still checked when the user chose one explicitly.
+        return config.rollout_correction if "rollout_correction" in config.model_fields_set else None
+    value = getattr(config, name)
+    return value if value is None or isinstance(value, ComponentRef) else str(value)
+
+
+def _resolve(check: ConfigCheck, path: str, kind: str, value: str | ComponentRef) -> Component | None:
+    ref = value if isinstance(value, ComponentRef) else ComponentRef(name=value)
+    try:
+        component = check.registry.get(kind, ref.name)
+    except GRPOPluginsError as exc:
+        check.problems.append((path, str(exc)))
+        return None
+    _check_params(check, component, ref.params, f"{path}.params")
+    return component
+
+
+def _check_params(check: ConfigCheck, component: Component, params: dict[str, Any], path: str) -> None:
+    try:
+        component.validate_params(params)
+    except ComponentParamsError as exc:
+        for sub, msg in exc.errors:
+            check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({component.kind} '{component.name}')"))
+
+
+def _resolve_reward(name: str, registry: Registry) -> Component:
+    try:
+        from grpo_plugins.rewards import resolve_reward
+    except ImportError:  # the rewards module is optional for this check
+        return registry.get("reward", name)
+    return resolve_reward(name, registry)
+
+
+def _check_rewards(check: ConfigCheck) -> None:
+    config = check.config
+    entries: list[Any] = list(config.rewards)
+    prefix = "rewards"
+    task = check.components.get("task")
+    if not entries and task is not None:
+        entries = list(getattr(task.obj, "default_rewards", None) or [])
+        prefix = "task.default_rewards"
+        check.rewards_from_task = True
+        if not entries:
+            check.problems.append(
+                ("rewards", f"task '{task.name}' has no default rewards; list the run's rewards under 'rewards:'")
+            )
+            return
+    if not entries:
+        if config.task is None:
+            check.problems.append(
+                ("rewards", "the run has no rewards: list some under 'rewards:' or choose a 'task:' with default rewards")
+            )
+        return  # an unknown task was reported already
+    for i, entry in enumerate(entries):
+        path = f"{prefix}.{i}"
+        try:
+            spec = entry if isinstance(entry, RewardSpec) else (
+                RewardSpec(name=entry) if isinstance(entry, str) else RewardSpec.model_validate(entry)
+            )
+        except ValidationError as exc:  # a task plugin's malformed default
+            detail = validation_errors(exc, RewardSpec, entry)
+            check.problems.extend((f"{path}.{p}" if p else path, m) for p, m in detail)
+            continue
+        try:
+            component = _resolve_reward(spec.name, check.registry)
+        except GRPOPluginsError as exc:
+            check.problems.append((path, str(exc)))
+            continue
+        _check_params(check, component, spec.params, f"{path}.params")
+        check.rewards.append((spec, component))
+    weights = config.reward_weights
+    if weights is not None and len(weights) != len(entries):
+        names = ", ".join(_entry_name(e) for e in entries)
+        check.problems.append(
+            (
+                "reward_weights",
+                f"has {len(weights)} values but the run has {len(entries)} rewards ({names}); "
+                "give one weight per reward, in the same order",
+            )
+        )
+
+
+def _entry_name(entry: Any) -> str:
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, RewardSpec):
+        return entry.name
+    return str(entry.get("name", "?")) if isinstance(entry, Mapping) else repr(entry)
+
+
+def _check_data(check: ConfigCheck) -> None:
+    if check.config.task is None and check.config.dataset is None:
+        check.problems.append(("task", "the run has no data: set 'task:' to a task name or give a 'dataset:'"))
+
+
+def _warn_questionable(config: GRPOConfig) -> None:
+    if config.delta is not None and config.delta <= 1 + config.epsilon:
+        warnings.warn(
+            f"delta ({config.delta}) is not above 1 + epsilon ({1 + config.epsilon}); two-sided "
+            "GRPO is meant to cap only ratios beyond the clip range (INTELLECT-2 recommends > 1 + epsilon)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    if config.fast_inference and config.generator is None and not _importable("vllm"):
+        warnings.warn(
+            "fast_inference is on but vLLM is not installed; the run will fail to start "
+            "(pip install vllm, or set fast_inference: false)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a stand-in module without a __spec__
+        return module in __import__("sys").modules

@@ -36,7 +36,7 @@ KINDS: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------------------------
-# Objective components (used by grpo_plugins.objective.compute_loss)
+# Objective components (used by grpo_plugins.objective.compute_loss; see docs/objective.md)
 # --------------------------------------------------------------------------------------------
 
 
@@ -44,22 +44,28 @@ KINDS: dict[str, str] = {
 class LossInputs:
     """Everything a loss type may read for one micro-batch. Shapes: B rows, T completion tokens.
 
-    ``ratio`` is ``exp(log_weights)`` as returned by the importance-sampling level: (B, T) at
-    token level, (B, 1) at sequence level. ``advantages`` is (B, 1). ``mask`` is the float
-    completion mask after truncation masking.
+    Log-probabilities are zero at masked positions (so padding can never put a NaN or inf into
+    the loss or its gradient); ``log_ratio`` is ``per_token_logps - old_per_token_logps`` there.
+    ``log_weights`` is what the importance-sampling level returned: (B, T) at token level, (B, 1)
+    at sequence level, and ``ratio = exp(log_weights)``. ``advantages`` is (B, 1) (or (B, T)
+    when the caller gives per-token advantages). ``mask`` is the float completion mask after
+    truncation masking.
     """
 
     per_token_logps: Tensor  # (B, T) current policy, carries the gradient
     old_per_token_logps: Tensor  # (B, T) detached
     advantages: Tensor  # (B, 1)
     mask: Tensor  # (B, T) float
+    log_ratio: Tensor  # (B, T)
     log_weights: Tensor  # (B, T) or (B, 1)
     ratio: Tensor  # (B, T) or (B, 1)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     delta: float | None = None
     max_completion_length: int | None = None
-    num_items_in_batch: float | None = None
+    #: Active tokens of the optimizer step's whole accumulation window over all processes, a
+    #: 0-d tensor on the loss's device, or None when the caller does not know it.
+    num_items_in_batch: Tensor | None = None
     num_processes: int = 1
     gradient_accumulation_steps: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,11 +74,17 @@ class LossInputs:
 class LossType:
     """How the per-token policy loss is formed and reduced to a scalar (kind ``loss_type``).
 
-    ``per_token_loss`` returns the (B, T) policy term *before* the rollout correction and the KL
-    term are applied; the default is GRPO's clipped surrogate. ``reduce`` turns the final
-    (B, T) per-token loss into the micro-batch's scalar loss, including any division by
-    ``gradient_accumulation_steps``. A loss type that only changes normalisation overrides
-    ``reduce`` alone.
+    * ``per_token_loss`` returns the policy term, (B, T) or (B, 1), *before* the rollout
+      correction and the KL term are applied; the default is GRPO's clipped surrogate
+      (:func:`grpo_plugins.objective.clipped_surrogate`).
+    * ``reduce`` turns the final per-token loss, always (B, T), into the micro-batch's scalar
+      loss, including any division by ``gradient_accumulation_steps``. Multiply by
+      ``inputs.mask`` and clamp every denominator (``.clamp(min=1.0)``): an all-masked batch
+      must give exactly 0.
+    * ``metrics`` returns per-token (B, T) or per-sequence (B, 1) values, each averaged over the
+      active tokens (sequences) of the logged step; the default gives TRL's clip ratios.
+
+    A loss type that only changes normalisation overrides ``reduce`` alone.
     """
 
     Params: ClassVar[type[BaseModel] | None] = None
@@ -85,13 +97,22 @@ class LossType:
     def reduce(self, per_token_loss: Tensor, inputs: LossInputs) -> Tensor:
         raise NotImplementedError
 
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
+        from grpo_plugins.objective import clip_indicators
+
+        return clip_indicators(inputs)
+
 
 @runtime_checkable
 class ImportanceSampling(Protocol):
-    """Turns per-token log-ratios into log importance weights (kind ``importance_sampling``)."""
+    """Turns per-token log-ratios into log importance weights (kind ``importance_sampling``).
+
+    Subclass it (or just provide the method); a class attribute ``Params`` adds parameters.
+    """
 
     def log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
-        """(B, T) log-ratios and mask -> (B, T) or (B, 1) log importance weights."""
+        """(B, T) log-ratios (0 at masked positions) and float mask -> (B, T) or (B, 1) log
+        importance weights."""
         ...
 
 
@@ -102,7 +123,7 @@ class RewardScaling(Protocol):
     def advantages(self, rewards: Tensor, num_generations: int) -> Tensor:
         """(N,) rewards, NaN for unscorable rows, groups of ``num_generations`` consecutive
         rows -> (N,) advantages. NaN rows must not affect the statistics of their group; the
-        core sets their advantage to 0 afterwards."""
+        core sets their advantage (and any other NaN) to 0 afterwards."""
         ...
 
 
@@ -114,7 +135,10 @@ class RolloutCorrection(Protocol):
     def weights(
         self, old_per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor, cap: float
     ) -> Tensor:
-        """-> detached (B, T) or (B, 1) weights multiplied into the per-token policy loss."""
+        """(B, T) log-probs of the policy that is being corrected *to* (old) and of the sampler,
+        both 0 at masked positions, the float mask and ``vllm_importance_sampling_cap`` ->
+        (B, T) or (B, 1) weights multiplied into the per-token policy loss (detached by the
+        core)."""
         ...
 
 

@@ -1,0 +1,57 @@
+"""The built-in rollout corrections: truncated importance sampling (TIS) between the policy
+that the loss treats as "old" and the sampler that really generated the tokens.
+
+ρ = exp((old - sampling) · m) per token, or exp(Σ_t (old - sampling) · m) per sequence. The
+``truncate`` variants clamp ρ at the cap; the ``mask`` variants set ρ to 0 where it exceeds the
+cap (the token or sequence is dropped). A sampler log-prob that is NaN counts as no mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from grpo_plugins.kinds import RolloutCorrection
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def _log_ratio(old: Tensor, sampling: Tensor, mask: Tensor, per_sequence: bool) -> Tensor:
+    diff = ((old - sampling) * mask).nan_to_num(nan=0.0)  # (B, T)
+    return diff.sum(-1, keepdim=True) if per_sequence else diff  # (B, 1) or (B, T)
+
+
+class _Truncate(RolloutCorrection):
+    per_sequence = False
+
+    def weights(self, old_per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor, cap: float) -> Tensor:
+        log_ratio = _log_ratio(old_per_token_logps, sampling_per_token_logps, mask, self.per_sequence)
+        return log_ratio.exp().clamp(max=cap)
+
+
+class _Mask(RolloutCorrection):
+    per_sequence = False
+
+    def weights(self, old_per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor, cap: float) -> Tensor:
+        ratio = _log_ratio(old_per_token_logps, sampling_per_token_logps, mask, self.per_sequence).exp()
+        return ratio.masked_fill(ratio > cap, 0.0)
+
+
+class TokenTruncate(_Truncate):
+    """Per-token ratio truncated at the cap: min(ρ_t, C) (the default)."""
+
+
+class TokenMask(_Mask):
+    """Per-token ratio, 0 for tokens whose ratio exceeds the cap."""
+
+
+class SequenceTruncate(_Truncate):
+    """Per-sequence ratio (product over its tokens) truncated at the cap."""
+
+    per_sequence = True
+
+
+class SequenceMask(_Mask):
+    """Per-sequence ratio, 0 for sequences whose ratio exceeds the cap."""
+
+    per_sequence = True

@@ -1,0 +1,398 @@
+"""The clipped policy-gradient objective of GRPO as a pure tensor function (SPEC §6).
+
+:func:`compute_loss` wires together three components looked up in the registry by the names in
+its settings -- an importance-sampling level, a loss type and (when on) a rollout correction --
+plus the k3 KL term. It knows no component by name: the built-in ones live in
+``builtin_losses`` and are found exactly like a third party's. docs/objective.md has the
+formulas and how to write a component.
+
+NaN safety: log-probabilities are zeroed at masked positions before anything else, every
+denominator is clamped, and metrics are kept as global sums and counts (:class:`LossMetrics`),
+so an all-masked micro-batch gives a loss of exactly 0, a zero gradient and finite metrics.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel
+from torch import Tensor
+
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.kinds import LossInputs
+from grpo_plugins.registry import Registry, get_registry
+
+if TYPE_CHECKING:
+    from grpo_plugins.config import GRPOConfig
+
+
+class LossSettingsError(GRPOPluginsError, ValueError):
+    """A setting of :func:`compute_loss` is unknown, missing or inconsistent."""
+
+
+#: The settings :func:`compute_loss` accepts (seed names) and their defaults.
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "loss_type": "dapo",
+    "epsilon": 0.2,
+    "epsilon_high": None,  # None: epsilon
+    "delta": None,
+    "beta": 0.0,
+    "importance_sampling_level": "token",
+    "max_completion_length": None,
+    "vllm_importance_sampling_correction": "auto",
+    "vllm_importance_sampling_cap": 2.0,
+    "rollout_correction": "token_truncate",
+    "registry": None,  # a Registry; None: the process-wide one
+}
+
+IS_RATIO_PREFIX = "sampling/importance_sampling_ratio"
+
+
+def loss_settings(config: GRPOConfig) -> dict[str, Any]:
+    """The :func:`compute_loss` settings of a run config (everything but the registry)."""
+    return {key: getattr(config, key) for key in DEFAULT_SETTINGS if key != "registry"}
+
+
+# -- components ------------------------------------------------------------------------------
+
+
+def resolve_component(kind: str, spec: Any, registry: Registry | None = None) -> Any:
+    """A ready-to-use component from a name, a ``{name, params}`` mapping or ComponentRef, a
+    component class (built with default params) or an already-built object (returned as is)."""
+    registry = registry if registry is not None else get_registry()
+    if isinstance(spec, str):
+        return registry.build(kind, spec)
+    if isinstance(spec, Mapping):
+        extra = set(spec) - {"name", "params"}
+        if "name" not in spec or extra:
+            raise LossSettingsError(
+                f"a {kind} given as a mapping needs exactly the keys 'name' and optionally 'params'"
+                f" (got {sorted(spec)})"
+            )
+        return registry.build(kind, spec["name"], spec.get("params"))
+    if isinstance(spec, BaseModel) and hasattr(spec, "name") and hasattr(spec, "params"):
+        return registry.build(kind, spec.name, spec.params)
+    if inspect.isclass(spec):
+        params = getattr(spec, "Params", None)
+        return spec(params()) if params is not None else spec()
+    if spec is None:
+        raise LossSettingsError(f"no {kind} given; name one (see `grpo-plugins list`)")
+    return spec
+
+
+def _settings(settings: dict[str, Any]) -> dict[str, Any]:
+    unknown = [key for key in settings if key not in DEFAULT_SETTINGS]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, DEFAULT_SETTINGS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise LossSettingsError(
+            f"compute_loss got an unknown setting '{key}'{hint} Settings: {', '.join(DEFAULT_SETTINGS)}."
+        )
+    return {**DEFAULT_SETTINGS, **settings}
+
+
+def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | None) -> bool:
+    if setting == "auto":
+        return sampling_per_token_logps is not None
+    if not isinstance(setting, bool):
+        raise LossSettingsError(
+            f"vllm_importance_sampling_correction must be true, false or 'auto' (got {setting!r})"
+        )
+    if setting and sampling_per_token_logps is None:
+        raise LossSettingsError(
+            "vllm_importance_sampling_correction is true but no sampling_per_token_logps were given;"
+            " pass the sampler's log-probs or set it to 'auto' or false"
+        )
+    return setting
+
+
+# -- helpers for loss-type plugins -----------------------------------------------------------
+
+
+def clipped_surrogate(inputs: LossInputs) -> Tensor:
+    """GRPO/PPO's clipped surrogate ``-min(r·A, clamp(r, 1-ε, 1+ε_high)·A)``, with the unclipped
+    ratio capped at δ when ``delta`` is set (two-sided GRPO). (B, T) or (B, 1)."""
+    ratio = inputs.ratio
+    clipped = ratio.clamp(1 - inputs.epsilon_low, 1 + inputs.epsilon_high)
+    if inputs.delta is not None:
+        ratio = ratio.clamp(max=inputs.delta)
+    return -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)
+
+
+def clip_indicators(inputs: LossInputs) -> dict[str, Tensor]:
+    """TRL's clip ratios as 0/1 values per token (or sequence): low = r < 1-ε with A < 0,
+    high = r > 1+ε_high with A > 0, region = either."""
+    ratio = inputs.ratio if inputs.delta is None else inputs.ratio.clamp(max=inputs.delta)
+    low = (ratio < 1 - inputs.epsilon_low) & (inputs.advantages < 0)
+    high = (ratio > 1 + inputs.epsilon_high) & (inputs.advantages > 0)
+    return {
+        "clip_ratio/low_mean": low.float(),
+        "clip_ratio/high_mean": high.float(),
+        "clip_ratio/region_mean": (low | high).float(),
+    }
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+class LossMetrics(Mapping[str, float]):
+    """Metrics of one or more micro-batches, mergeable exactly.
+
+    Mean-type metrics are kept as ``sums`` and ``counts`` (1-D tensors aligned with
+    ``mean_names``); extrema as ``mins`` / ``maxs`` (aligned with ``min_names`` / ``max_names``,
+    +inf / -inf when nothing was seen). Read as a mapping name -> float: ``sum / max(count, 1)``,
+    and an extremum that saw nothing reads 0.0, so no value is ever NaN or inf. Values are
+    computed on first access (one device sync).
+    """
+
+    def __init__(
+        self,
+        mean_names: Iterable[str],
+        sums: Tensor,
+        counts: Tensor,
+        min_names: Iterable[str] = (),
+        mins: Tensor | None = None,
+        max_names: Iterable[str] = (),
+        maxs: Tensor | None = None,
+    ) -> None:
+        self.mean_names = tuple(mean_names)
+        self.min_names = tuple(min_names)
+        self.max_names = tuple(max_names)
+        self.sums, self.counts = sums, counts  # (M,) (M,)
+        empty = sums.new_zeros(0)
+        self.mins = mins if mins is not None else empty  # (E_min,)
+        self.maxs = maxs if maxs is not None else empty  # (E_max,)
+        self._values: dict[str, float] | None = None
+
+    @classmethod
+    def from_parts(
+        cls,
+        means: Mapping[str, tuple[Tensor, Tensor]],
+        mins: Mapping[str, Tensor] | None = None,
+        maxs: Mapping[str, Tensor] | None = None,
+        *,
+        device: torch.device | None = None,
+    ) -> LossMetrics:
+        """From ``{name: (sum, count)}`` and ``{name: min}`` / ``{name: max}`` 0-d tensors."""
+        mins, maxs = mins or {}, maxs or {}
+
+        def stack(values: Iterable[Tensor]) -> Tensor:
+            values = [v.detach().float().reshape(()) for v in values]
+            return torch.stack(values) if values else torch.zeros(0, device=device)
+
+        return cls(
+            means,
+            stack(s for s, _ in means.values()),
+            stack(c for _, c in means.values()),
+            mins,
+            stack(mins.values()),
+            maxs,
+            stack(maxs.values()),
+        )
+
+    def _compute(self) -> dict[str, float]:
+        if self._values is None:
+            means = (self.sums / self.counts.clamp(min=1.0)).tolist()
+            mins = [v if abs(v) != float("inf") else 0.0 for v in self.mins.tolist()]
+            maxs = [v if abs(v) != float("inf") else 0.0 for v in self.maxs.tolist()]
+            self._values = {
+                **dict(zip(self.mean_names, means)),
+                **dict(zip(self.min_names, mins)),
+                **dict(zip(self.max_names, maxs)),
+            }
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._compute()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._compute())
+
+    def __len__(self) -> int:
+        return len(self.mean_names) + len(self.min_names) + len(self.max_names)
+
+    def __repr__(self) -> str:
+        return f"LossMetrics({self._compute()!r})"
+
+    @classmethod
+    def merge(cls, items: Iterable[LossMetrics]) -> LossMetrics:
+        """Combine micro-batches exactly: sums and counts add, extrema take min / max. Names
+        missing from some items count as nothing seen there."""
+        items = list(items)
+        if not items:
+            raise ValueError("LossMetrics.merge needs at least one LossMetrics")
+        means: dict[str, tuple[Tensor, Tensor]] = {}
+        mins: dict[str, Tensor] = {}
+        maxs: dict[str, Tensor] = {}
+        for item in items:
+            for i, name in enumerate(item.mean_names):
+                s, c = item.sums[i], item.counts[i]
+                if name in means:
+                    s, c = means[name][0] + s, means[name][1] + c
+                means[name] = (s, c)
+            for i, name in enumerate(item.min_names):
+                mins[name] = torch.minimum(mins[name], item.mins[i]) if name in mins else item.mins[i]
+            for i, name in enumerate(item.max_names):
+                maxs[name] = torch.maximum(maxs[name], item.maxs[i]) if name in maxs else item.maxs[i]
+        return cls.from_parts(means, mins, maxs, device=items[0].sums.device)
+
+    def all_reduce(self, accelerator: Any) -> LossMetrics:
+        """The same metrics over all processes of an ``accelerate.Accelerator`` (every process
+        must call this, with the same metric names)."""
+        if getattr(accelerator, "num_processes", 1) <= 1:
+            return self
+        sums = accelerator.reduce(self.sums.contiguous(), reduction="sum")
+        counts = accelerator.reduce(self.counts.contiguous(), reduction="sum")
+        mins = accelerator.gather(self.mins.unsqueeze(0).contiguous()).amin(0) if len(self.mins) else self.mins
+        maxs = accelerator.gather(self.maxs.unsqueeze(0).contiguous()).amax(0) if len(self.maxs) else self.maxs
+        return LossMetrics(self.mean_names, sums, counts, self.min_names, mins, self.max_names, maxs)
+
+
+def _masked_stats(
+    values: Tensor, mask: Tensor, row_active: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(sum, count, where-active mask) of per-token (B, T) or per-sequence (B, 1) values."""
+    weight = mask if values.shape[-1] == mask.shape[-1] else row_active  # (B, T) or (B, 1)
+    weight = weight.expand_as(values) if weight.shape != values.shape else weight
+    return (values * weight).sum(), weight.sum(), weight != 0
+
+
+# -- the objective ---------------------------------------------------------------------------
+
+
+def compute_loss(
+    per_token_logps: Tensor,
+    old_per_token_logps: Tensor | None,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    ref_per_token_logps: Tensor | None = None,
+    sampling_per_token_logps: Tensor | None = None,
+    num_items_in_batch: int | float | Tensor | None = None,
+    num_processes: int = 1,
+    gradient_accumulation_steps: int = 1,
+    **settings: Any,
+) -> tuple[Tensor, LossMetrics]:
+    """The GRPO loss of one micro-batch and its metrics (SPEC §6; TRL 1.x's definitions).
+
+    Args:
+        per_token_logps: (B, T) log-probs of the completion tokens under the current policy
+            (carries the gradient).
+        old_per_token_logps: (B, T) log-probs under the policy that generated the batch; None
+            means exactly on-policy (``per_token_logps.detach()``).
+        advantages: (B,) one advantage per completion (or (B, T) per token).
+        completion_mask: (B, T) 1 for completion tokens that count, after truncation masking.
+        ref_per_token_logps: (B, T) reference-model log-probs; required when ``beta != 0``.
+        sampling_per_token_logps: (B, T) log-probs reported by the sampler (for the rollout
+            correction).
+        num_items_in_batch: active tokens of the whole optimizer step (every micro-batch that
+            accumulates into it, on every process); the normaliser of dapo and cispo. None: the
+            local micro-batch's tokens times ``gradient_accumulation_steps``.
+        num_processes: data-parallel processes (gradients are averaged across them).
+        gradient_accumulation_steps: micro-batches per optimizer step (for loss types that
+            divide by it).
+        **settings: ``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``beta``,
+            ``importance_sampling_level``, ``max_completion_length``,
+            ``vllm_importance_sampling_correction``, ``vllm_importance_sampling_cap``,
+            ``rollout_correction`` (see :data:`DEFAULT_SETTINGS`), and ``registry``. Component
+            settings take a name, ``{name, params}``, a ComponentRef or a built component.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss to backpropagate and a :class:`LossMetrics`.
+    """
+    s = _settings(settings)
+    registry = s["registry"]
+    loss_type = resolve_component("loss_type", s["loss_type"], registry)
+    level = resolve_component("importance_sampling", s["importance_sampling_level"], registry)
+    if per_token_logps.dim() != 2 or completion_mask.shape != per_token_logps.shape:
+        raise LossSettingsError(
+            "per_token_logps and completion_mask must both be (B, T); got "
+            f"{tuple(per_token_logps.shape)} and {tuple(completion_mask.shape)}"
+        )
+    dtype, device = per_token_logps.dtype, per_token_logps.device
+    mask = completion_mask.to(dtype)  # (B, T)
+    active = mask != 0  # (B, T)
+    zero = torch.zeros((), dtype=dtype, device=device)
+
+    def clean(x: Tensor) -> Tensor:  # padding may hold anything; nothing of it reaches the loss
+        return torch.where(active, x.to(dtype), zero)
+
+    logps = clean(per_token_logps)  # (B, T)
+    old = logps.detach() if old_per_token_logps is None else clean(old_per_token_logps.detach())
+    log_ratio = logps - old  # (B, T)
+    log_weights = level.log_weights(log_ratio, mask)  # (B, T) or (B, 1)
+    advantages = advantages.to(dtype)
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1)
+
+    epsilon = float(s["epsilon"])
+    epsilon_high = epsilon if s["epsilon_high"] is None else float(s["epsilon_high"])
+    if num_items_in_batch is not None:
+        num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
+    inputs = LossInputs(
+        per_token_logps=logps,
+        old_per_token_logps=old,
+        advantages=advantages,
+        mask=mask,
+        log_ratio=log_ratio,
+        log_weights=log_weights,
+        ratio=torch.exp(log_weights),
+        epsilon_low=epsilon,
+        epsilon_high=epsilon_high,
+        delta=s["delta"],
+        max_completion_length=s["max_completion_length"],
+        num_items_in_batch=num_items_in_batch,
+        num_processes=num_processes,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    per_token = loss_type.per_token_loss(inputs)  # (B, T) or (B, 1)
+
+    correction = None
+    if _correction_enabled(s["vllm_importance_sampling_correction"], sampling_per_token_logps):
+        corrector = resolve_component("rollout_correction", s["rollout_correction"], registry)
+        assert sampling_per_token_logps is not None
+        sampling = clean(sampling_per_token_logps.detach())
+        cap = float(s["vllm_importance_sampling_cap"])
+        correction = corrector.weights(old, sampling, mask, cap).detach()  # (B, T) or (B, 1)
+        per_token = per_token * correction
+
+    beta = float(s["beta"])
+    kl = None
+    if beta != 0.0:
+        if ref_per_token_logps is None:
+            raise LossSettingsError("beta is not 0 but no ref_per_token_logps were given")
+        ref_minus = clean(ref_per_token_logps.detach()) - logps  # (B, T)
+        kl = torch.exp(ref_minus) - ref_minus - 1  # (B, T) k3 estimator
+        per_token = per_token + beta * kl
+
+    per_token = per_token.expand_as(mask)  # (B, T)
+    loss = loss_type.reduce(per_token, inputs)
+    return loss, _metrics(loss_type, inputs, kl, correction)
+
+
+def _metrics(
+    loss_type: Any, inputs: LossInputs, kl: Tensor | None, correction: Tensor | None
+) -> LossMetrics:
+    mask = inputs.mask
+    with torch.no_grad():
+        row_active = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)  # (B, 1)
+        means: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, values in loss_type.metrics(inputs).items():
+            total, count, _ = _masked_stats(values.detach().to(mask.dtype), mask, row_active)
+            means[name] = (total, count)
+        if kl is not None:
+            means["kl"] = ((kl * mask).sum(), mask.sum())
+        mins: dict[str, Tensor] = {}
+        maxs: dict[str, Tensor] = {}
+        if correction is not None:
+            total, count, where = _masked_stats(correction, mask, row_active)
+            values = correction.expand_as(where)
+            inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+            mins[f"{IS_RATIO_PREFIX}/min"] = torch.where(where, values, inf).amin()
+            means[f"{IS_RATIO_PREFIX}/mean"] = (total, count)
+            maxs[f"{IS_RATIO_PREFIX}/max"] = torch.where(where, values, -inf).amax()
+        return LossMetrics.from_parts(means, mins, maxs, device=mask.device)

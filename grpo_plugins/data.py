@@ -1,0 +1,233 @@
+"""Prompts: loading the dataset of a run and turning prompts into token ids.
+
+A run's data comes from ``config.dataset`` (a local JSON/JSONL/CSV/parquet file, a directory
+written by ``Dataset.save_to_disk``, or a hub dataset already in the local cache) or else from
+its ``task`` component. Either way the result is a ``datasets.Dataset`` with a ``prompt`` column
+(a string, or a list of chat messages) plus any columns the rewards read.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+from unittest import mock
+
+from grpo_plugins.config import DatasetSpec, GRPOConfig, component_ref
+from grpo_plugins.errors import GRPOPluginsError
+
+if TYPE_CHECKING:
+    import datasets
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_plugins.registry import Registry
+
+#: File extensions read with the builder of the same name (``path: train.jsonl`` works too).
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+class DataError(GRPOPluginsError):
+    """The dataset of a run cannot be loaded or does not have the expected shape."""
+
+
+class PromptTooLongError(DataError):
+    """A prompt is longer than max_prompt_length and prompt_truncation is 'error'."""
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def _data_file_list(data_files: str | list[str] | dict[str, Any]) -> list[str]:
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, Mapping):
+        return [f for v in data_files.values() for f in _data_file_list(v)]
+    return [str(f) for f in data_files]
+
+
+def _check_data_files(data_files: str | list[str] | dict[str, Any]) -> None:
+    for pattern in _data_file_list(data_files):
+        if "://" in pattern:
+            continue
+        if glob.has_magic(pattern):
+            if not glob.glob(str(Path(pattern).expanduser()), recursive=True):
+                raise DataError(f"dataset.data_files: no file matches '{pattern}'")
+        elif not Path(pattern).expanduser().is_file():
+            raise DataError(f"dataset.data_files: file '{pattern}' does not exist")
+
+
+def _pick_split(loaded: Any, split: str, where: str) -> datasets.Dataset:
+    import datasets
+
+    if isinstance(loaded, (datasets.DatasetDict, dict)):
+        if split not in loaded:
+            raise DataError(
+                f"dataset '{where}' has no split '{split}' (splits: {', '.join(loaded)}); "
+                "set dataset.split"
+            )
+        return loaded[split]
+    return loaded
+
+
+def load_dataset_spec(spec: DatasetSpec) -> datasets.Dataset:
+    """Load the dataset ``spec`` names (see :class:`~grpo_plugins.config.DatasetSpec`); never
+    downloads."""
+    import datasets
+
+    path = Path(spec.path).expanduser()
+    builder = spec.path
+    data_files = spec.data_files
+    if data_files is not None:
+        _check_data_files(data_files)
+    elif path.is_file():
+        if path.suffix.lower() not in _BUILDERS:
+            raise DataError(
+                f"dataset.path '{spec.path}': unknown file type '{path.suffix}' "
+                f"(use one of {', '.join(sorted(_BUILDERS))}, or path: json/csv/parquet with data_files)"
+            )
+        builder, data_files = _BUILDERS[path.suffix.lower()], str(path)
+    elif path.is_dir() and (
+        (path / "dataset_info.json").is_file()
+        or (path / "state.json").is_file()
+        or (path / "dataset_dict.json").is_file()
+    ):
+        try:
+            return _pick_split(datasets.load_from_disk(str(path)), spec.split, spec.path)
+        except FileNotFoundError as exc:
+            raise DataError(f"dataset.path '{spec.path}': cannot read the saved dataset: {exc}") from exc
+    elif builder in set(_BUILDERS.values()):
+        raise DataError(f"dataset.path '{builder}' needs dataset.data_files (the file(s) to read)")
+    elif not path.exists() and (spec.path.startswith((".", "/", "~")) or spec.path.count("/") > 1):
+        raise DataError(f"dataset.path '{spec.path}' does not exist")
+
+    local = data_files is not None or path.exists()
+    # Offline for hub names: a dataset not in the local cache fails at once instead of
+    # attempting a download.
+    with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True):
+        try:
+            loaded = datasets.load_dataset(builder, spec.name, data_files=data_files, split=spec.split)
+        except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
+            if local:
+                raise DataError(f"cannot read dataset '{spec.path}': {exc}") from exc
+            raise DataError(
+                f"dataset '{spec.path}' is not a local file or directory and not in the datasets "
+                "cache; grpo-plugins cannot download it (no hub access): save it locally and set "
+                "dataset.path to the file or directory"
+            ) from exc
+    return _pick_split(loaded, spec.split, spec.path)
+
+
+def _check_prompts(dataset: datasets.Dataset, where: str) -> None:
+    if len(dataset) == 0:
+        raise DataError(f"{where} is empty: it has no prompts")
+    for index in range(min(len(dataset), 8)):
+        prompt = dataset[index]["prompt"]
+        if isinstance(prompt, str):
+            continue
+        if isinstance(prompt, list) and all(
+            isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
+        ):
+            continue
+        raise DataError(
+            f"{where}: prompt {index} is a {type(prompt).__name__}; a prompt must be a string or a "
+            "list of chat messages ({'role': ..., 'content': ...})"
+        )
+
+
+def load_prompts(config: GRPOConfig, registry: Registry) -> tuple[datasets.Dataset, Any | None]:
+    """The prompts of a run and its task.
+
+    Returns:
+        The dataset, with the prompt column renamed to ``prompt``, and the built task component
+        (or None without a task). ``config.dataset`` takes precedence over the task's data; the
+        task still supplies the default rewards.
+    """
+    ref = component_ref(config.task)
+    task = registry.build("task", ref.name, ref.params) if ref is not None else None
+    if config.dataset is not None:
+        spec = config.dataset
+        dataset = load_dataset_spec(spec)
+        column, where = spec.prompt_column, f"dataset '{spec.path}'"
+    elif task is not None:
+        assert ref is not None
+        dataset = task.load(config.seed)
+        column, where = "prompt", f"task '{ref.name}'"
+    else:
+        raise DataError("the config names neither a dataset nor a task; set one of them")
+
+    if column not in dataset.column_names:
+        hint = " (set dataset.prompt_column)" if config.dataset is not None else ""
+        raise DataError(
+            f"{where} has no column '{column}'{hint}; its columns: {', '.join(dataset.column_names)}"
+        )
+    if column != "prompt":
+        if "prompt" in dataset.column_names:
+            raise DataError(
+                f"{where} has both '{column}' (dataset.prompt_column) and 'prompt'; rename or drop one"
+            )
+        dataset = dataset.rename_column(column, "prompt")
+    _check_prompts(dataset, where)
+    return dataset, task
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str | list[dict[str, Any]]],
+    *,
+    max_prompt_length: int | None,
+    truncation: Literal["error", "left"] = "error",
+) -> list[list[int]]:
+    """Token ids of each prompt.
+
+    Conversational prompts (lists of messages) go through the tokenizer's chat template with
+    ``add_generation_prompt=True`` (the template adds any special tokens itself); strings are
+    tokenized as they are. A prompt over ``max_prompt_length`` tokens raises
+    :class:`PromptTooLongError` (``truncation="error"``) or keeps its last tokens (``"left"``).
+    """
+    if truncation not in ("error", "left"):
+        raise DataError(f"prompt_truncation must be 'error' or 'left', not '{truncation}'")
+    encoded: list[list[int]] = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = list(tokenizer(prompt)["input_ids"])
+        else:
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError(
+                    "prompts are chat messages but the tokenizer has no chat template; use a "
+                    "tokenizer with one (model.tokenizer) or plain-text prompts"
+                )
+            text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise DataError(f"prompt {index} is empty after tokenization")
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if truncation == "error":
+                raise PromptTooLongError(
+                    f"prompt {index} is {len(ids)} tokens long, over max_prompt_length="
+                    f"{max_prompt_length}; raise max_prompt_length or set prompt_truncation: left "
+                    "(keeps the last tokens)"
+                )
+            ids = ids[-max_prompt_length:]
+        encoded.append(ids)
+    return encoded
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: Any = None) -> tuple[Tensor, Tensor]:
+    """Left-pad token id lists into ``(ids (B, L), attention_mask (B, L))`` long tensors."""
+    import torch
+
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)  # (B, L)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)  # (B, L)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+    if device is not None:
+        ids, mask = ids.to(device), mask.to(device)
+    return ids, mask

@@ -1,1 +1,50 @@
-"""Generation backends shipped with the core, registered through the grpo_plugins entry point."""
+"""Generation backends shipped with the core, registered through the grpo_plugins entry point
+(``builtin_generators``), exactly as a third party registers its own.
+
+Kept free of top-level torch/transformers imports: the registry imports this module when it
+loads plugins, and ``grpo-plugins validate`` must start fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from grpo_plugins.config import ComponentRef, GRPOConfig, component_ref
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.hookspecs import hookimpl
+
+
+class GeneratorUnavailableError(GRPOPluginsError):
+    """The generation backend a run asks for cannot be used on this machine."""
+
+
+def vllm_available() -> bool:
+    """Whether vLLM is installed (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def generator_ref(config: GRPOConfig) -> ComponentRef:
+    """The generator a run uses: ``config.generator`` when set, else ``vllm`` with
+    ``fast_inference`` (which needs vLLM installed), else ``transformers``."""
+    if config.generator is not None:
+        ref = component_ref(config.generator)
+        assert ref is not None
+        return ref
+    if config.fast_inference:
+        if not vllm_available():
+            raise GeneratorUnavailableError(
+                "fast_inference: true selects the vllm generator, but vLLM is not installed here; "
+                "install it (pip install 'grpo-plugins[vllm]', GPU only) or set fast_inference: false"
+            )
+        return ComponentRef(name="vllm")
+    return ComponentRef(name="transformers")
+
+
+@hookimpl
+def register_generators(register: Any) -> None:
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.generators.vllm_backend import VLLMGenerator
+
+    register(TransformersGenerator, name="transformers")
+    register(VLLMGenerator, name="vllm")

@@ -1,0 +1,245 @@
+"""Checkpoints: written atomically, found again, and loaded for an exact resume.
+
+Layout of ``<output_dir>/checkpoints/checkpoint-<step>/``::
+
+    model/               save_pretrained of the model, or of the LoRA adapter only (+ tokenizer)
+    optimizer.pt         optimizer state
+    scheduler.pt         LR-scheduler state
+    rng_state_<rank>.pt  python, numpy, torch (and CUDA) RNG states of each process
+    rollout_<rank>.pt    a process's generation batch, only when saved in the middle of a cycle
+    config.yaml          the run config
+    trainer_state.json   step, data position and counters; written last
+
+A checkpoint is built in ``.tmp-checkpoint-<step>`` and renamed into place with ``os.replace``,
+so a killed run never leaves a half-written ``checkpoint-<step>`` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from grpo_plugins.errors import GRPOPluginsError
+
+CHECKPOINTS_DIR = "checkpoints"
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(GRPOPluginsError):
+    """A checkpoint to resume from is missing or does not fit the run."""
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``output_dir``, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume: str | Path | bool | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint directory that ``resume`` names.
+
+    ``None``/``False``: none. ``True``: the latest in ``output_dir``. A path: that checkpoint,
+    or the latest inside it when it is a run's output directory.
+    """
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise CheckpointError(
+                f"resume: no checkpoint found in {checkpoints_root(output_dir)}; "
+                "start without --resume, or give the checkpoint's path"
+            )
+        return found
+    path = Path(resume).expanduser()
+    if (path / STATE_FILE).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(
+            f"resume: '{path}' is neither a checkpoint (no {STATE_FILE}) nor an output directory "
+            "with checkpoints"
+        )
+    return found
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of this process (python, numpy, torch CPU, every CUDA device)."""
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    accelerator: Any,
+    output_dir: str | Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any,
+    optimizer: Any,
+    scheduler: Any,
+    rng_state: dict[str, Any],
+    rollout: dict[str, Any] | None,
+    state: dict[str, Any],
+    config_yaml: str,
+    save_total_limit: int | None,
+) -> Path:
+    """Write checkpoint ``step`` atomically (every process calls this) and prune old ones.
+
+    Args:
+        model: the unwrapped model (a peft model saves its adapter only).
+        rng_state: this process's RNG states to resume with.
+        rollout: this process's generation batch when saved mid-cycle, else None.
+        state: JSON-serialisable trainer state (step, data position, counters).
+    """
+    import torch
+
+    root = checkpoints_root(output_dir)
+    final = root / f"checkpoint-{step}"
+    tmp = root / f".tmp-checkpoint-{step}"
+    main = accelerator.is_main_process
+    if main:
+        if tmp.exists():  # left by a killed run
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    rank = accelerator.process_index
+    torch.save(rng_state, tmp / f"rng_state_{rank}.pt")
+    if rollout is not None:
+        torch.save(rollout, tmp / f"rollout_{rank}.pt")
+    accelerator.wait_for_everyone()
+    if main:
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "model"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        trash = root / f".old-checkpoint-{step}"
+        if final.exists():  # the same step saved again (e.g. after a resume)
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        if trash.exists():
+            shutil.rmtree(trash)
+        if save_total_limit is not None:
+            for old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: str | Path,
+    accelerator: Any,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """Load weights, optimizer and scheduler state in place.
+
+    Returns (trainer state, this process's RNG state or None, its mid-cycle rollout or None).
+    """
+    import torch
+
+    path = Path(path)
+    state = json.loads((path / STATE_FILE).read_text())
+    load_weights(path / "model", model)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
+    rank = accelerator.process_index
+    rng_file = path / f"rng_state_{rank}.pt"
+    rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    rollout_file = path / f"rollout_{rank}.pt"
+    rollout = torch.load(rollout_file, map_location="cpu", weights_only=False) if rollout_file.is_file() else None
+    if state.get("mid_cycle") and rollout is None:
+        raise CheckpointError(
+            f"{path} was saved in the middle of a generation cycle by {state.get('num_processes')} "
+            f"processes and has no rollout for process {rank}; resume with the same number of processes"
+        )
+    return state, rng, rollout
+
+
+def load_weights(model_dir: Path, model: Any) -> None:
+    """Load what ``save_pretrained`` wrote into ``model`` (an adapter into a peft model)."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        adapter = model_dir / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise CheckpointError(f"{model_dir} has no LoRA adapter (adapter_model.safetensors) to resume")
+        result = set_peft_model_state_dict(model, load_file(str(adapter)))
+        unexpected = getattr(result, "unexpected_keys", None) or []
+        if unexpected:
+            raise CheckpointError(f"{adapter} does not fit the model: unexpected keys {unexpected[:5]}")
+        return
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} has no model weights (*.safetensors) to resume")
+    weights: dict[str, Any] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    missing = [k for k in missing if k not in set(tied)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{model_dir} does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )

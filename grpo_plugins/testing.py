@@ -4,14 +4,42 @@
   directory, built locally with the ``tokenizers`` library.
 * :func:`tiny_model_config` is a transformers config dict for a tiny random Llama or Qwen2.
 * :func:`tiny_model_spec` gives the ``model:`` mapping of a run config for both together.
+
+For plugin authors (see docs/plugins.md, "Testing a plugin"):
+
+* :func:`registered_plugin`, :func:`registered_component` and :func:`isolated_registry` register
+  plugins or components for the duration of a test and restore the registry afterwards;
+* :func:`check_component` and :func:`check_plugin` check components against the interface of
+  their kind and raise :class:`ComponentContractError` listing everything that is wrong.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import inspect
 import json
+import math
 import string
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
+
+from grpo_plugins import kinds
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.hookspecs import PROJECT as PROJECT_MARKER
+from grpo_plugins.kinds import KINDS
+from grpo_plugins.registry import (
+    Component,
+    ComponentParamsError,
+    PluginLoadError,
+    Registry,
+    get_registry,
+    set_registry,
+)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 CHAT_TEMPLATE = (
@@ -91,3 +119,634 @@ def tiny_model_spec(directory: str | Path, arch: str = "llama", **overrides: Any
     config_path = Path(directory) / "config.json"
     config_path.write_text(json.dumps(tiny_model_config(arch, **overrides)))
     return {"config": str(config_path), "tokenizer": str(tok_dir)}
+
+
+# ============================================================================================
+# Helpers for plugin authors: register a plugin for one test, check a component's contract
+# ============================================================================================
+#
+# * :func:`registered_plugin` / :func:`registered_component` register for a ``with`` block (or a
+#   pytest fixture that yields inside one) and restore the registry afterwards.
+# * :func:`isolated_registry` swaps in a fresh process-wide registry for a block.
+# * :func:`check_component` / :func:`check_plugin` validate components against their kind's
+#   interface (:mod:`grpo_plugins.kinds`) and raise :class:`ComponentContractError` listing
+#   every problem.
+
+TEST_DISTRIBUTION = "<test>"
+
+
+# -- registering for the duration of a test ----------------------------------------------------
+
+
+def _snapshot(registry: Registry) -> tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]:
+    # The registry has no public snapshot; this reads its private state (components, broken
+    # plugins, pluggy registrations). tests/test_testing_helpers.py guards that it keeps working.
+    state = registry._state  # loads the installed plugins first
+    components = {kind: {n: list(e) for n, e in by_name.items()} for kind, by_name in state.components.items()}
+    return components, list(state.broken), {id(p) for p in registry._pm.get_plugins()}
+
+
+def _restore(registry: Registry, snapshot: tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]) -> None:
+    components, broken, plugins = snapshot
+    state = registry._state
+    state.components.clear()
+    state.components.update(components)
+    state.broken[:] = broken
+    for plugin in registry._pm.get_plugins():
+        if id(plugin) not in plugins:
+            registry._pm.unregister(plugin)
+
+
+@contextmanager
+def registered_plugin(
+    *plugins: object,
+    registry: Registry | None = None,
+    distribution: str = TEST_DISTRIBUTION,
+    version: str | None = None,
+    strict: bool = True,
+) -> Iterator[Registry]:
+    """Register plugins (modules, or any objects with ``@hookimpl`` functions) for a ``with`` block.
+
+    On exit the registry is exactly as before (components, broken plugins, pluggy's own
+    registrations), so the same plugin can be registered again by the next test.
+
+    Args:
+        plugins: the plugin modules or objects.
+        registry: the registry to change; default the process-wide one (what the config, the
+            objective and the engine use).
+        distribution: the distribution name their components are listed under (``dist:name``).
+        version: the version shown for them.
+        strict: raise :class:`~grpo_plugins.registry.PluginLoadError` (with the traceback) when a
+            plugin's hook raises or does not validate, instead of marking it broken.
+
+    Yields:
+        The registry.
+    """
+    registry = registry if registry is not None else get_registry()
+    snapshot = _snapshot(registry)
+    try:
+        for plugin in plugins:
+            known = len(registry.broken)
+            registry.add_plugin(plugin, distribution=distribution, version=version)
+            failed = registry.broken[known:]
+            if strict and failed:
+                raise PluginLoadError(
+                    f"plugin '{failed[0].plugin}' failed to register: {failed[0].error}\n{failed[0].traceback}"
+                )
+        yield registry
+    finally:
+        _restore(registry, snapshot)
+
+
+@contextmanager
+def registered_component(
+    kind: str, obj: Any, name: str | None = None, *, registry: Registry | None = None
+) -> Iterator[Component]:
+    """Register one component for a ``with`` block, then restore whatever had that name before.
+
+    ``obj`` is what a plugin passes to ``register`` (a class or a function); ``name`` defaults to
+    ``obj.name`` or ``obj.__name__``. Yields the :class:`~grpo_plugins.registry.Component`.
+    """
+    registry = registry if registry is not None else get_registry()
+    with registry.temporary(kind, name, obj) as component:
+        yield component
+
+
+@contextmanager
+def isolated_registry(
+    *plugins: object,
+    entry_points: bool = False,
+    disabled: tuple[str, ...] = (),
+    distribution: str = TEST_DISTRIBUTION,
+    version: str | None = None,
+) -> Iterator[Registry]:
+    """Make a fresh registry the process-wide one for a ``with`` block, holding only ``plugins``
+    (plus the installed plugins when ``entry_points`` is True), then put the previous one back.
+
+    Without ``entry_points`` not even the built-in components are there: use it for tests of the
+    plugin alone, and :func:`registered_plugin` for tests that also need the built-ins.
+    """
+    registry = Registry(entry_points=entry_points, disabled=disabled)
+    previous = set_registry(registry)
+    try:
+        with registered_plugin(*plugins, registry=registry, distribution=distribution, version=version):
+            yield registry
+    finally:
+        set_registry(previous)
+
+
+# -- the interface of each kind ----------------------------------------------------------------
+
+
+def reward_interface(
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """The reward contract (TRL's): one float, or None for "not applicable", per completion.
+
+    Called with keyword arguments only; a reward declares the ones it reads (or ``**kwargs``).
+    ``completions`` are strings for string prompts and ``[{"role": "assistant", "content": ...}]``
+    for conversational ones; every dataset column arrives as a keyword argument holding one value
+    per completion. Plain functions, callable instances and ``async def`` all work.
+    """
+    raise NotImplementedError
+
+
+#: What implements the interface of each kind: the class in :mod:`grpo_plugins.kinds` whose
+#: public methods a component provides, or for rewards the call signature itself.
+INTERFACES: dict[str, Any] = {
+    "reward": reward_interface,
+    "loss_type": kinds.LossType,
+    "importance_sampling": kinds.ImportanceSampling,
+    "reward_scaling": kinds.RewardScaling,
+    "rollout_correction": kinds.RolloutCorrection,
+    "generator": kinds.Generator,
+    "task": kinds.Task,
+}
+
+
+def interface_methods(kind: str) -> dict[str, Callable[..., Any]]:
+    """The methods a component of ``kind`` provides, as declared in :mod:`grpo_plugins.kinds`
+    (for a reward: ``{"__call__": reward_interface}``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind '{kind}'; kinds: {', '.join(KINDS)}")
+    spec = INTERFACES.get(kind)
+    if spec is None:
+        return {}
+    if not inspect.isclass(spec):
+        return {"__call__": spec}
+    return {n: f for n, f in vars(spec).items() if not n.startswith("_") and inspect.isfunction(f)}
+
+
+class _Annotation:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _unquoted(annotation: Any) -> Any:
+    if annotation is inspect.Parameter.empty:
+        return annotation
+    if isinstance(annotation, str):
+        return _Annotation(annotation)
+    return _Annotation(inspect.formatannotation(annotation))
+
+
+def format_signature(name: str, fn: Callable[..., Any]) -> str:
+    """``name(arg: Type, ...) -> Return``, with annotations as written in the source."""
+    sig = inspect.signature(fn)
+    params = [p.replace(annotation=_unquoted(p.annotation)) for p in sig.parameters.values()]
+    sig = sig.replace(parameters=params, return_annotation=_unquoted(sig.return_annotation))
+    return f"{name}{sig}"
+
+
+def interface_signatures(kind: str) -> list[str]:
+    """The exact signatures of ``kind``'s interface (what docs/plugins.md documents)."""
+    return [
+        format_signature("reward" if method == "__call__" else method, fn)
+        for method, fn in interface_methods(kind).items()
+    ]
+
+
+# -- contract checks ---------------------------------------------------------------------------
+
+
+class ComponentContractError(GRPOPluginsError, AssertionError):
+    """A component (or a plugin) does not satisfy its kind's interface.
+
+    Attributes:
+        subject: what was checked, e.g. ``loss_type 'my_loss'``.
+        problems: every violation found, one sentence each.
+    """
+
+    def __init__(self, subject: str, problems: list[str]) -> None:
+        self.subject = subject
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{subject} does not satisfy its interface:\n{lines}")
+
+
+def _raises_not_implemented(fn: Callable[..., Any]) -> bool:
+    try:
+        return "raise NotImplementedError" in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
+def _signature_problems(kind: str, built: Any) -> list[str]:
+    problems: list[str] = []
+    base = INTERFACES.get(kind)
+    for method, spec in interface_methods(kind).items():
+        expected = format_signature("reward" if method == "__call__" else method, spec)
+        target = built if method == "__call__" else getattr(built, method, None)
+        if target is None or not callable(target):
+            problems.append(f"missing method: {expected}")
+            continue
+        if (
+            inspect.isclass(base)
+            and inspect.getattr_static(type(built), method, None) is vars(base).get(method)
+            and _raises_not_implemented(spec)
+        ):
+            problems.append(f"{method} is not implemented (it is inherited from {base.__name__}, which raises NotImplementedError)")
+            continue
+        try:
+            actual = inspect.signature(target)
+        except (TypeError, ValueError):  # builtins and C callables: nothing to check
+            continue
+        if method == "__call__":
+            for p in actual.parameters.values():
+                if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+                    problems.append(
+                        f"parameter '{p.name}' is positional-only, but rewards are called with keyword "
+                        f"arguments only: {expected}"
+                    )
+            continue
+        names = [p.name for p in inspect.signature(spec).parameters.values() if p.name != "self"]
+        for how, bind in (
+            ("positionally", lambda: actual.bind(*names)),
+            ("by keyword", lambda: actual.bind(**{n: n for n in names})),
+        ):
+            try:
+                bind()
+            except TypeError as exc:
+                problems.append(f"{method}{actual} cannot be called {how} as {expected} ({exc})")
+    return problems
+
+
+def _tensor_problems(what: str, value: Any, shapes: list[tuple[int, ...]]) -> list[str]:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return [f"{what} must return a torch.Tensor, got {type(value).__name__}"]
+    if tuple(value.shape) not in shapes:
+        want = " or ".join(str(s) for s in shapes)
+        return [f"{what} returned shape {tuple(value.shape)}; expected {want}"]
+    if not torch.isfinite(value).all():
+        return [f"{what} returned non-finite values: {value.detach().tolist()}"]
+    return []
+
+
+_MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]  # rows of 5, 3 and 1 active tokens
+
+
+def _loss_inputs(mask: Any, seed: int = 0) -> tuple[kinds.LossInputs, Any]:
+    """A small random micro-batch as the core builds it, and the leaf tensor behind the log-probs."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = mask.shape
+    leaf = (-3.0 * torch.rand(rows, cols, generator=g)).requires_grad_()  # (B, T)
+    logps = leaf * mask  # (B, T), 0 where masked, as the core gives them
+    old = (logps.detach() + 0.3 * torch.randn(rows, cols, generator=g)) * mask  # (B, T)
+    log_ratio = logps - old  # (B, T)
+    values: dict[str, Any] = {
+        "per_token_logps": logps,
+        "old_per_token_logps": old,
+        "advantages": torch.randn(rows, 1, generator=g),  # (B, 1)
+        "mask": mask,
+        "log_ratio": log_ratio,
+        "log_weights": log_ratio,
+        "ratio": torch.exp(log_ratio),
+        "epsilon_low": 0.2,
+        "epsilon_high": 0.28,
+        "delta": None,
+        "max_completion_length": cols,
+        "num_items_in_batch": mask.sum() * 2,  # two micro-batches like this one per step
+        "num_processes": 1,
+        "gradient_accumulation_steps": 2,
+    }
+    fields = dataclasses.fields(kinds.LossInputs)
+    unknown = [
+        f.name
+        for f in fields
+        if f.name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if unknown:  # kinds.LossInputs grew a field this helper does not know how to fill
+        raise RuntimeError(f"grpo_plugins.testing cannot fill LossInputs field(s) {unknown}; update _loss_inputs")
+    return kinds.LossInputs(**{f.name: values[f.name] for f in fields if f.name in values}), leaf
+
+
+def _check_loss_type(built: Any, sample: dict[str, Any]) -> list[str]:
+    import torch
+
+    mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
+    rows, cols = mask.shape
+    inputs, leaf = _loss_inputs(mask)
+    per_token = built.per_token_loss(inputs)
+    problems = _tensor_problems("per_token_loss", per_token, [(rows, cols), (rows, 1)])
+    if problems:
+        return problems
+    per_token = per_token.expand(rows, cols)  # (B, T), as the core passes it to reduce
+    loss = built.reduce(per_token, inputs)
+    problems = _tensor_problems("reduce", loss, [()])
+    if problems:
+        return problems
+    if not loss.requires_grad:
+        return ["reduce returned a loss that carries no gradient"]
+    loss.backward()
+    if leaf.grad is None or not torch.isfinite(leaf.grad).all() or not leaf.grad.any():
+        problems.append("the loss has no finite, non-zero gradient with respect to per_token_logps")
+    with torch.no_grad():
+        padded = per_token.detach() + (1 - mask) * 1e3  # garbage where masked
+        if not torch.allclose(built.reduce(padded, inputs), built.reduce(per_token.detach(), inputs)):
+            problems.append("reduce depends on masked positions: multiply the per-token loss by inputs.mask")
+    empty, empty_leaf = _loss_inputs(torch.zeros(rows, cols))
+    empty_loss = built.reduce(built.per_token_loss(empty).expand(rows, cols), empty)
+    if not isinstance(empty_loss, torch.Tensor) or empty_loss.detach().item() != 0.0:
+        value = empty_loss.detach().item() if isinstance(empty_loss, torch.Tensor) else empty_loss
+        problems.append(
+            f"with every token masked (all completions truncated under mask_truncated_completions) "
+            f"reduce must return exactly 0, got {value}: clamp denominators with .clamp(min=1.0)"
+        )
+    elif empty_loss.requires_grad:
+        empty_loss.backward()
+        if empty_leaf.grad is not None and empty_leaf.grad.abs().sum().item() != 0.0:
+            problems.append("with every token masked the gradient must be zero")
+    metrics = getattr(built, "metrics", None)
+    if callable(metrics):
+        for name, values in metrics(inputs).items():
+            problems += _tensor_problems(f"metrics()['{name}']", values, [(rows, cols), (rows, 1)])
+    return problems
+
+
+def _check_importance_sampling(built: Any, sample: dict[str, Any]) -> list[str]:
+    import torch
+
+    mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
+    rows, cols = mask.shape
+    leaf = (0.3 * torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    weights = built.log_weights(leaf * mask, mask)
+    problems = _tensor_problems("log_weights", weights, [(rows, cols), (rows, 1)])
+    if problems:
+        return problems
+    if not weights.requires_grad:
+        problems.append("log_weights carry no gradient; the policy gradient flows only through the ratio")
+    else:
+        (weights.expand(rows, cols) * mask).sum().backward()
+        if leaf.grad is None or not torch.isfinite(leaf.grad).all():
+            problems.append("the gradient of log_weights is not finite")
+    with torch.no_grad():
+        on_policy = built.log_weights(torch.zeros(rows, cols), mask)
+        if isinstance(on_policy, torch.Tensor) and not torch.allclose(on_policy, torch.zeros(())):
+            problems.append(
+                f"with log_ratio = 0 (on-policy) the log weights must be 0 (ratio 1), got {on_policy.tolist()}"
+            )
+        problems += _tensor_problems(
+            "log_weights with every token masked",
+            built.log_weights(torch.zeros(rows, cols), torch.zeros(rows, cols)),
+            [(rows, cols), (rows, 1)],
+        )
+    return problems
+
+
+def _check_reward_scaling(built: Any, sample: dict[str, Any]) -> list[str]:
+    import torch
+
+    nan = float("nan")
+    # Groups of 3: one with an unscorable row, one with zero std, one ordinary.
+    rewards = torch.tensor([1.0, 2.0, nan, 3.0, 3.0, 3.0, 0.5, 1.5, 4.0])  # (N,)
+    original = rewards.clone()
+    advantages = built.advantages(rewards, 3)
+    if not isinstance(advantages, torch.Tensor):
+        return [f"advantages must return a torch.Tensor, got {type(advantages).__name__}"]
+    if tuple(advantages.shape) != (9,):
+        return [f"advantages returned shape {tuple(advantages.shape)}; expected (9,)"]
+    problems: list[str] = []
+    scorable = ~torch.isnan(original)
+    if not torch.isfinite(advantages[scorable]).all():
+        problems.append(
+            f"advantages are not finite for scorable rows (a NaN row or a zero-std group): {advantages.tolist()}"
+        )
+    if not torch.equal(torch.nan_to_num(rewards, nan=-7.0), torch.nan_to_num(original, nan=-7.0)):
+        problems.append("advantages modified its rewards argument in place")
+    return problems
+
+
+def _check_rollout_correction(built: Any, sample: dict[str, Any]) -> list[str]:
+    import torch
+
+    mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
+    rows, cols = mask.shape
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(rows, cols, generator=g) * mask  # (B, T)
+    sampling = (old + 0.7 * torch.randn(rows, cols, generator=g)) * mask  # (B, T)
+    cap = 2.0
+    weights = built.weights(old, sampling, mask, cap)
+    problems = _tensor_problems("weights", weights, [(rows, cols), (rows, 1)])
+    if problems:
+        return problems
+    if (weights < 0).any() or (weights > cap + 1e-6).any():
+        problems.append(f"weights must lie in [0, cap={cap}], got {weights.tolist()}")
+    same = built.weights(old, old, mask, cap)
+    if isinstance(same, torch.Tensor):
+        active = mask.bool() if same.shape[-1] == cols else torch.ones(rows, 1, dtype=torch.bool)
+        if not torch.allclose(same[active], torch.ones(())):
+            problems.append(f"when the sampler equals the policy the weights must be 1, got {same.tolist()}")
+    problems += _tensor_problems(
+        "weights with every token masked",
+        built.weights(torch.zeros(rows, cols), torch.zeros(rows, cols), torch.zeros(rows, cols), cap),
+        [(rows, cols), (rows, 1)],
+    )
+    return problems
+
+
+def _check_generator(built: Any, sample: dict[str, Any]) -> list[str]:
+    # Generating needs a model; check_component only checks the static parts of a generator.
+    value = getattr(built, "samples_from_policy", True)
+    return [] if isinstance(value, bool) else [f"samples_from_policy must be a bool, got {value!r}"]
+
+
+def _check_task(built: Any, sample: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    for i, entry in enumerate(getattr(built, "default_rewards", [])):
+        if not (isinstance(entry, str) or (isinstance(entry, dict) and isinstance(entry.get("name"), str))):
+            problems.append(f"default_rewards[{i}] must be a reward name or a mapping with 'name', got {entry!r}")
+    dataset = built.load(0)
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        problems.append(f"load must return a datasets.Dataset, got {type(dataset).__name__}")
+    elif "prompt" not in columns:
+        problems.append(f"the dataset from load has no 'prompt' column (columns: {columns})")
+    elif len(dataset) == 0:
+        problems.append("the dataset from load is empty")
+    return problems
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _check_reward(built: Any, sample: dict[str, Any]) -> list[str]:
+    import numbers
+
+    completions = sample.get("completions", ["4", "The answer is 4.", ""])
+    kwargs: dict[str, Any] = {
+        "prompts": sample.get("prompts", ["What is 2 + 2?"] * len(completions)),
+        "completions": completions,
+        "completion_ids": sample.get(
+            "completion_ids",
+            [[ord(ch) for ch in (c if isinstance(c, str) else c[-1]["content"])] for c in completions],
+        ),
+        **{k: v for k, v in sample.items() if k not in ("prompts", "completions", "completion_ids")},
+    }
+    try:
+        sig = inspect.signature(built)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        missing = [
+            p.name
+            for p in sig.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs
+        ]
+        if missing:
+            return [
+                f"it needs the argument(s) {missing}, which are not standard arguments: pass sample "
+                f"dataset columns to check_component, e.g. sample={{{missing[0]!r}: [...]}}"
+            ]
+        kwargs = {k: v for k, v in kwargs.items() if k in sig.parameters}
+    result = built(**kwargs)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_awaited(result))
+    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
+        return [f"it must return a list with one value per completion, got {type(result).__name__}"]
+    if len(result) != len(completions):
+        return [f"it returned {len(result)} values for {len(completions)} completions"]
+    bad = [
+        (i, v)
+        for i, v in enumerate(result)
+        if v is not None and not (isinstance(v, numbers.Real) and not math.isnan(float(v)))
+    ]
+    if bad:
+        i, v = bad[0]
+        return [f"value {i} is {v!r}; each value must be a float, or None for 'not applicable'"]
+    return []
+
+
+_BEHAVIOUR: dict[str, Callable[[Any, dict[str, Any]], list[str]]] = {
+    "reward": _check_reward,
+    "loss_type": _check_loss_type,
+    "importance_sampling": _check_importance_sampling,
+    "reward_scaling": _check_reward_scaling,
+    "rollout_correction": _check_rollout_correction,
+    "generator": _check_generator,
+    "task": _check_task,
+}
+
+
+def check_component(
+    kind: str,
+    obj: Any,
+    *,
+    name: str | None = None,
+    params: dict[str, Any] | BaseModel | None = None,
+    sample: dict[str, list[Any]] | None = None,
+    behaviour: bool = True,
+) -> Any:
+    """Check a component against the interface of its kind and return it built.
+
+    ``obj`` is what a plugin passes to ``register`` (a class, or for rewards also a function).
+    Checked: that it registers (a name without ':', ``Params`` a pydantic model); that it builds
+    as the registry builds it, with ``params`` (default: the params model's defaults); that each
+    interface method exists, is implemented, and accepts the interface's arguments both
+    positionally and by keyword; and, with ``behaviour``, what it does on a small random input:
+
+    * reward: called with ``prompts``, ``completions``, ``completion_ids`` and the columns in
+      ``sample`` (which may also replace those three); returns one float or None per completion;
+    * loss_type: ``per_token_loss`` is (B, T) or (B, 1) and finite; ``reduce`` returns a finite
+      0-d tensor with a gradient, ignores masked positions, and is exactly 0 when every token is
+      masked; ``metrics`` values are (B, T) or (B, 1);
+    * importance_sampling: (B, T) or (B, 1), finite, differentiable, 0 when log_ratio is 0;
+    * reward_scaling: (N,) and finite for scorable rows with a NaN row and a zero-std group,
+      input not modified;
+    * rollout_correction: (B, T) or (B, 1) in [0, cap], 1 when sampler and policy agree;
+    * task: ``load(0)`` gives a non-empty dataset with a ``prompt`` column, and
+      ``default_rewards`` are names or mappings;
+    * generator: only the static checks (generating needs a model).
+
+    Raises:
+        ComponentContractError: listing every problem found.
+    """
+    subject = f"{kind} '{name or getattr(obj, 'name', None) or getattr(obj, '__name__', None) or obj!r}'"
+    try:
+        component = Registry(entry_points=False).register(kind, name, obj)
+    except (TypeError, ValueError) as exc:
+        raise ComponentContractError(subject, [f"it cannot be registered: {exc}"]) from None
+    subject = f"{kind} '{component.name}'"
+    try:
+        built = component.build(params)
+    except ComponentParamsError as exc:
+        hint = "" if params is not None else " (pass params= to check_component when its Params has required fields)"
+        raise ComponentContractError(subject, [f"it cannot be built with these params: {exc}{hint}"]) from None
+    except Exception as exc:  # noqa: BLE001 - whatever building raises is the problem to report
+        how = "cls(params)" if component.params_model is not None else "cls()"
+        raise ComponentContractError(subject, [f"building it as {how} raised {type(exc).__name__}: {exc}"]) from None
+    problems = _signature_problems(kind, built)
+    if not problems and behaviour and kind in _BEHAVIOUR:
+        try:
+            problems = _BEHAVIOUR[kind](built, dict(sample or {}))
+        except Exception as exc:  # noqa: BLE001 - a component that raises on valid input fails the check
+            problems = [f"it raised {type(exc).__name__} on a valid sample input: {exc}"]
+    if problems:
+        raise ComponentContractError(subject, problems)
+    return built
+
+
+def _hook_problems(plugin: object) -> list[str]:
+    import difflib
+
+    hooks = set(KINDS.values())
+    problems: list[str] = []
+    for attr in dir(plugin):
+        fn = getattr(plugin, attr, None)
+        marked = getattr(fn, f"{PROJECT_MARKER}_impl", None) is not None
+        if marked and attr not in hooks:
+            close = difflib.get_close_matches(attr, hooks, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            problems.append(f"'{attr}' is marked @hookimpl but is not a grpo-plugins hook{hint}")
+        elif not marked and attr in hooks and callable(fn):
+            problems.append(f"'{attr}' is not decorated with @grpo_plugins.hookimpl, so it is never called")
+    return problems
+
+
+def check_plugin(
+    plugin: object,
+    *,
+    params: dict[str, dict[str, Any] | BaseModel] | None = None,
+    sample: dict[str, list[Any]] | None = None,
+    behaviour: bool = True,
+) -> list[Component]:
+    """Register ``plugin`` (a module or object with ``@hookimpl`` functions) in a scratch registry
+    and :func:`check_component` every component it registers.
+
+    Also finds misspelt hooks and hook functions missing ``@hookimpl``. ``params`` maps component
+    names to the params to build them with; ``sample`` is passed to every reward's check.
+
+    Returns:
+        The components it registers.
+
+    Raises:
+        PluginLoadError: a registration hook raised or does not match its hookspec.
+        ComponentContractError: listing the problems of every component.
+    """
+    label = getattr(plugin, "__name__", None) or type(plugin).__name__
+    problems = _hook_problems(plugin)
+    scratch = Registry(entry_points=False)
+    with registered_plugin(plugin, registry=scratch):
+        components = scratch.components()
+    if not components and not problems:
+        problems.append("it registers no components: implement a registration hook (e.g. register_rewards)")
+    for c in components:
+        try:
+            check_component(
+                c.kind, c.obj, name=c.name, params=(params or {}).get(c.name), sample=sample, behaviour=behaviour
+            )
+        except ComponentContractError as exc:
+            problems += [f"{c.kind} '{c.name}': {p}" for p in exc.problems]
+    if problems:
+        raise ComponentContractError(f"plugin '{label}'", problems)
+    return components

@@ -83,11 +83,11 @@ class LoraSettings(_Strict):
     """LoRA adapter settings (peft). With LoRA and beta > 0 the reference is the base model with
     the adapter disabled; no second copy is loaded."""
 
-    r: int = Field(16, gt=0)
-    lora_alpha: int = Field(32, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(16, gt=0, description="Rank of the adapter matrices.")
+    lora_alpha: int = Field(32, gt=0, description="Scaling: the update is multiplied by lora_alpha / r.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
     target_modules: list[str] | str = Field("all-linear", description="Module names, or 'all-linear'.")
-    bias: Literal["none", "all", "lora_only"] = "none"
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
 
 
 class ModelSpec(_Strict):
@@ -97,9 +97,9 @@ class ModelSpec(_Strict):
     name_or_path: str | None = Field(None, description="Local dir, hub id (offline when cached), .gguf file or builtin:NAME.")
     config: dict[str, Any] | str | None = Field(None, description="transformers config (dict or JSON path) for a random initialisation.")
     tokenizer: str | None = Field(None, description="Tokenizer path; defaults to name_or_path.")
-    revision: str | None = None
-    trust_remote_code: bool = False
-    attn_implementation: str | None = None
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a cached model.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped with the checkpoint.")
+    attn_implementation: str | None = Field(None, description="transformers attention backend (eager, sdpa, flash_attention_2); None: its default.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -114,9 +114,9 @@ class DatasetSpec(_Strict):
     """A dataset read with ``datasets.load_dataset`` (or ``load_from_disk`` for a saved one)."""
 
     path: str = Field(description="'json', 'csv', 'parquet' with data_files, a saved dataset directory, or a hub name.")
-    name: str | None = None
-    data_files: str | list[str] | dict[str, Any] | None = None
-    split: str = "train"
+    name: str | None = Field(None, description="Dataset configuration name.")
+    data_files: str | list[str] | dict[str, Any] | None = Field(None, description="Files for the json/csv/parquet builders.")
+    split: str = Field("train", description="Split to train on.")
     prompt_column: str = Field("prompt", description="Column holding the prompt (text or chat messages).")
 
 
@@ -127,12 +127,14 @@ class GRPOConfig(_Strict):
     model: str | ModelSpec = Field("builtin:smollm2-135m-instruct", description="A path/id/builtin:NAME, or a mapping (see ModelSpec).")
     dtype: DType = Field("auto", description="bfloat16, float16 (with loss scaling), float32; auto: bf16 on GPUs that support it, else fp32.")
     lora: LoraSettings | None = Field(None, description="LoRA adapter settings; null trains all weights.")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more time.")
     task: str | ComponentRef | None = Field("arithmetic", description="A task component: data plus default rewards.")
     dataset: DatasetSpec | None = Field(None, description="A dataset instead of (or overriding the data of) the task.")
     rewards: list[str | RewardSpec] = Field(default_factory=list, description="Reward names or mappings; empty: the task's defaults.")
     reward_weights: list[float] | None = Field(None, description="One weight per reward; None: each reward's own weight (1.0).")
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="sum_then_normalize: weighted sum of rewards, then scaling; normalize_then_sum (GDPO): normalise each reward per group first."
+    )
 
     # -- objective ------------------------------------------------------------------------------
     beta: float = Field(0.0, ge=0, description="KL coefficient; 0 loads no reference model.")
@@ -153,13 +155,13 @@ class GRPOConfig(_Strict):
     # -- generation -----------------------------------------------------------------------------
     generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else transformers.")
     fast_inference: bool = Field(False, description="Use the vLLM backend (needs vllm installed).")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0); keep it high (1.0) for diverse groups. Log-probs use the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Must be in (0, 1].")
     top_k: int | None = Field(None, ge=1, description="None disables top-k filtering.")
     min_p: float | None = Field(None, ge=0, le=1, description="In [0, 1]; None disables.")
-    repetition_penalty: float = Field(1.0, gt=0)
-    max_completion_length: int = Field(256, ge=1)
-    max_prompt_length: int | None = Field(512, ge=1)
+    repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages tokens already in the prompt or completion, < 1 encourages them.")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens generated per completion; longer ones are truncated.")
+    max_prompt_length: int | None = Field(512, ge=1, description="Most prompt tokens (see prompt_truncation); None: no limit.")
     prompt_truncation: Literal["error", "left"] = Field("error", description="Prompts over max_prompt_length: reject, or keep the last tokens.")
 
     # -- batching -------------------------------------------------------------------------------
@@ -171,26 +173,30 @@ class GRPOConfig(_Strict):
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
 
     # -- optimisation ---------------------------------------------------------------------------
-    learning_rate: float = Field(1e-6, gt=0)
-    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup", "cosine_with_min_lr"] = "linear"
-    warmup_ratio: float = Field(0.0, ge=0, le=1)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(1e-8, gt=0)
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup", "cosine_with_min_lr"] = Field(
+        "linear", description="Learning-rate schedule after warmup (transformers' schedulers)."
+    )
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of the optimizer steps spent warming up (when warmup_steps is 0).")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup; overrides warmup_ratio when > 0.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient-norm clipping; None disables.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: num_train_epochs over the data.")
-    num_train_epochs: float = Field(1.0, gt=0)
-    seed: int = 42
+    num_train_epochs: float = Field(1.0, gt=0, description="Passes over the prompts when max_steps is None.")
+    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
     logprob_chunk_size: int = Field(1024, ge=1, description="Rows x tokens per chunk of the chunked log-softmax.")
 
     # -- output ---------------------------------------------------------------------------------
-    output_dir: str = "outputs/grpo"
-    logging_steps: int = Field(1, ge=1)
+    output_dir: str = Field("outputs/grpo", description="Where metrics.jsonl, TensorBoard events, checkpoints and config.yaml go.")
+    logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     save_steps: int | None = Field(None, ge=1, description="Checkpoint every N optimizer steps (and always at the end).")
     save_total_limit: int | None = Field(2, ge=1, description="Checkpoints kept; None keeps all.")
-    report_to: list[Literal["jsonl", "tensorboard"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
+    report_to: list[Literal["jsonl", "tensorboard"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks besides the console."
+    )
     log_completions: bool = Field(False, description="Write sampled completions to completions.jsonl.")
     on_nonfinite: Literal["skip", "stop"] = Field("stop", description="A NaN/inf loss or gradient: skip the step, or stop.")
     disable_plugins: list[str] = Field(default_factory=list, description="Distributions whose plugins are not loaded.")
@@ -278,6 +284,17 @@ def component_ref(value: str | ComponentRef | bool | None) -> ComponentRef | Non
     if isinstance(value, ComponentRef):
         return value
     return ComponentRef(name=str(value))
+
+
+#: Headings for docs/config.md: the first field of each group of GRPOConfig -> its heading.
+CONFIG_SECTIONS: dict[str, str] = {
+    "model": "Model and data",
+    "beta": "Objective",
+    "generator": "Generation",
+    "per_device_train_batch_size": "Batching",
+    "learning_rate": "Optimisation",
+    "output_dir": "Output and plugins",
+}
 
 
 # -- loading: YAML, --set overrides, readable errors -------------------------------------------

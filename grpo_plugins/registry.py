@@ -400,8 +400,7 @@ class Registry:
         names = self.names(kind)
         msg = f"unknown {kind} '{name}'"
         close = difflib.get_close_matches(name.rpartition(":")[2], names, n=3, cutoff=0.6)
-        if close:
-            msg += f"; did you mean {' or '.join(repr(c) for c in close)}?"
+        msg += f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
         msg += f" Installed {kind} names: {', '.join(names) if names else '(none)'}."
         for b in self._state.broken:
             msg += (

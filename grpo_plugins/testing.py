@@ -186,6 +186,12 @@ def registered_plugin(
     snapshot = _snapshot(registry)
     try:
         for plugin in plugins:
+            if registry._pm.is_registered(plugin):
+                raise PluginLoadError(
+                    f"plugin {getattr(plugin, '__name__', plugin)!r} is already registered (installed, so "
+                    "loaded through its entry point?); test it alone with isolated_registry(plugin), or "
+                    "use the installed components as they are"
+                )
             known = len(registry.broken)
             registry.add_plugin(plugin, distribution=distribution, version=version)
             failed = registry.broken[known:]

@@ -2,7 +2,7 @@
 
 It provides, through the ``grpo_plugins`` entry-point group only:
 
-* rewards ``length_target`` and ``keyword_coverage`` (:mod:`grpo_plugins_example.rewards`),
+* the reward ``keyword_coverage`` (:mod:`grpo_plugins_example.rewards`),
 * the loss type ``seq_mean_token_sum`` (:mod:`grpo_plugins_example.loss_type`),
 * the importance-sampling strategy ``gspo_token`` (:mod:`grpo_plugins_example.importance_sampling`).
 """

@@ -1,4 +1,4 @@
-"""Two rewards with parameters: a length target and keyword coverage.
+"""A reward with parameters: keyword coverage.
 
 A reward is anything called as ``reward(prompts, completions, completion_ids=..., **columns)``
 that returns one float (or None, "not applicable") per completion: TRL's contract. A class with
@@ -8,7 +8,7 @@ a pydantic ``Params`` model is built by grpo-plugins as ``cls(params)`` with the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,43 +20,6 @@ def completion_text(completion: str | list[dict[str, Any]]) -> str:
     if isinstance(completion, str):
         return completion
     return str(completion[-1]["content"]) if completion else ""
-
-
-class LengthTarget:
-    """Rewards completions close to a target length: 1.0 at the target, falling linearly to 0.0
-    at ``tolerance`` away from it."""
-
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-        target: int = Field(200, ge=1, description="The length that earns the full reward.")
-        tolerance: int | None = Field(None, ge=1, description="Distance at which the reward reaches 0; None: the target.")
-        unit: Literal["chars", "words", "tokens"] = Field("chars", description="What the length counts.")
-
-    def __init__(self, params: Params | None = None) -> None:
-        self.params = params or self.Params()
-
-    def _length(self, completion: str | list[dict[str, Any]], ids: list[int] | None) -> int:
-        if self.params.unit == "tokens":
-            if ids is None:
-                raise ValueError("length_target with unit 'tokens' needs completion_ids")
-            return len(ids)
-        text = completion_text(completion)
-        return len(text.split()) if self.params.unit == "words" else len(text)
-
-    def __call__(
-        self,
-        prompts: list[Any],
-        completions: list[Any],
-        completion_ids: list[list[int]] | None = None,
-        **columns: Any,
-    ) -> list[float]:
-        tolerance = self.params.tolerance or self.params.target
-        ids = completion_ids or [None] * len(completions)
-        return [
-            max(0.0, 1.0 - abs(self._length(c, i) - self.params.target) / tolerance)
-            for c, i in zip(completions, ids)
-        ]
 
 
 class KeywordCoverage:
@@ -77,7 +40,7 @@ class KeywordCoverage:
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
         column = self.params.column
         if column is not None and column not in columns:
-            raise KeyError(f"keyword_coverage: the dataset has no column '{column}' (columns: {sorted(columns)})")
+            raise ValueError(f"keyword_coverage: the dataset has no column '{column}' (columns: {sorted(columns)})")
         per_sample = columns[column] if column is not None else [[]] * len(completions)
         scores: list[float | None] = []
         for completion, extra in zip(completions, per_sample):
@@ -94,5 +57,4 @@ class KeywordCoverage:
 
 @hookimpl
 def register_rewards(register: Any) -> None:
-    register(LengthTarget, name="length_target")
     register(KeywordCoverage, name="keyword_coverage")

@@ -379,7 +379,9 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
             try:
                 bind()
             except TypeError as exc:
-                problems.append(f"{method}{actual} cannot be called {how} as {expected} ({exc})")
+                problems.append(
+                    f"{format_signature(method, target)} cannot be called {how} as {expected} ({exc})"
+                )
     return problems
 
 

@@ -40,6 +40,7 @@ from grpo_plugins.registry import (
     Registry,
     UnknownComponentError,
     get_registry,
+    normalize_distribution,
 )
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class RewardConfigError(GRPOPluginsError, ValueError):
 
 
 def _reward_distributions(registry: Registry) -> set[str]:
-    return {c.distribution for c in registry.components("reward")}
+    return {normalize_distribution(c.distribution) for c in registry.components("reward")}
 
 
 def _import_attr(path: str) -> Any:
@@ -118,7 +119,7 @@ def resolve_reward(name: str, registry: Registry | None = None) -> Component:
     if ":" not in name:
         return registry.get("reward", name)
     prefix = name.rpartition(":")[0]
-    if prefix in _reward_distributions(registry):
+    if normalize_distribution(prefix) in _reward_distributions(registry):
         return registry.get("reward", name)
     obj = _import_attr(name)
     if not callable(obj):

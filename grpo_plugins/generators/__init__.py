@@ -45,6 +45,8 @@ def generator_ref(config: GRPOConfig) -> ComponentRef:
 def register_generators(register: Any) -> None:
     from grpo_plugins.generators.transformers_backend import TransformersGenerator
     from grpo_plugins.generators.vllm_backend import VLLMGenerator
+    from grpo_plugins.generators.static_cache import StaticCacheGenerator
 
     register(TransformersGenerator, name="transformers")
     register(VLLMGenerator, name="vllm")
+    register(StaticCacheGenerator, name="static")

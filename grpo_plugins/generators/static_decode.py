@@ -284,7 +284,7 @@ def decode_step(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_i
     st.out_tokens.index_copy_(1, st.step.view(1), token[:, None])
     st.out_logps.index_copy_(1, st.step.view(1), logp[:, None])
     if stop_at_eos:
-        st.done.logical_or_(torch.isin(token, st.eos))
+        st.done.logical_or_((token[:, None] == st.eos).any(dim=-1))
     if st.seen is not None:
         st.seen.scatter_(1, token[:, None], True)
     st.token.copy_(token)
@@ -466,7 +466,7 @@ class StaticDecoder:
             st.out_tokens[:, 0] = token
             st.out_logps[:, 0] = torch.where(st.done, 0.0, logp)
             if self.stop_at_eos:
-                st.done |= torch.isin(token, st.eos)
+                st.done |= (token[:, None] == st.eos).any(dim=-1)
             if st.seen is not None:
                 st.seen.scatter_(1, token[:, None], True)
             st.token.copy_(token)
@@ -485,7 +485,7 @@ class StaticDecoder:
         tokens = st.out_tokens[:n, :steps].clone()  # (n, steps)
         logps = st.out_logps[:n, :steps].clone()
         if self.stop_at_eos:
-            is_eos = torch.isin(tokens, st.eos)
+            is_eos = (tokens[:, :, None] == st.eos).any(dim=-1)  # (n, steps)
         else:
             is_eos = torch.zeros_like(tokens, dtype=torch.bool)
         has_eos = is_eos.any(dim=1)  # (n,)

@@ -1,0 +1,132 @@
+"""The ``static`` generator: a fast generation backend for Llama-style models.
+
+A static KV cache and a fixed-shape decode step that is compiled with ``torch.compile`` and
+captured in a CUDA graph, with repetition penalty, temperature, top-k, top-p and min-p applied
+inside the captured step; grouped-query attention reads the cache without repeating KV heads;
+generation stops early once every row has finished (checked every ``check_every`` steps). Batch
+and prompt length are padded to buckets, so a run compiles and captures once per bucket.
+
+It samples with the trained model's own modules (LoRA adapters included), so it needs no weight
+sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
+windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
+or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_plugins.kinds import GenerationOutput, Generator, SamplingSettings
+
+if TYPE_CHECKING:
+    from grpo_plugins.generators.static_decode import StaticDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class StaticCacheGenerator(Generator):
+    """Static-KV-cache generation with a compiled, CUDA-graph-captured decode step."""
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        compile: bool = Field(True, description="torch.compile the decode step (CUDA only).")
+        cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
+        prompt_multiple: int = Field(64, ge=1, description="Left-pad prompts to a multiple of this many tokens.")
+        check_every: int = Field(16, ge=1, description="Decode steps between checks for 'all rows finished'.")
+        ignore_eos: bool = Field(False, description="Sample the full max_completion_length (benchmarks).")
+        max_graphs: int = Field(2, ge=1, description="Decode graphs (and KV caches) kept at once.")
+        fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
+
+    samples_from_policy = True
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+        self.calls = 0
+        self._decoder: StaticDecoder | None = None
+        self._fallback: Generator | None = None
+
+    def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
+        import torch
+
+        from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError
+        from grpo_plugins.generators.transformers_backend import eos_token_ids, unwrap_model
+        from grpo_plugins.models import prepare_tokenizer
+
+        super().setup(model, tokenizer, sampling)
+        if tokenizer.pad_token_id is None:
+            prepare_tokenizer(tokenizer)
+        self._decoder, self._fallback = None, None
+        try:
+            inner = unwrap_model(model)
+            on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
+            self._decoder = StaticDecoder(
+                inner,
+                sampling,
+                eos_token_ids(inner, tokenizer),
+                int(tokenizer.pad_token_id),
+                compile=self.params.compile and on_cuda,
+                cuda_graph=self.params.cuda_graph and on_cuda,
+                prompt_multiple=self.params.prompt_multiple,
+                check_every=self.params.check_every,
+                stop_at_eos=not self.params.ignore_eos,
+                max_graphs=self.params.max_graphs,
+            )
+        except UnsupportedModelError as exc:
+            if not self.params.fallback:
+                raise
+            self._use_fallback(str(exc))
+
+    def _use_fallback(self, reason: str) -> None:
+        from grpo_plugins.registry import get_registry
+
+        logger.warning("%s; falling back to generator 'transformers'", reason)
+        self._decoder = None
+        self._fallback = get_registry().build("generator", "transformers")
+        self._fallback.setup(self.model, self.tokenizer, self.sampling)
+
+    def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
+        from grpo_plugins.generators.static_decode import UnsupportedModelError
+
+        if self._decoder is not None:
+            try:
+                ids, mask, truncated, logps = self._generate_seeded(prompt_ids)
+                return GenerationOutput(ids, mask, truncated, logps)
+            except UnsupportedModelError as exc:  # e.g. a sequence longer than a sliding window
+                if not self.params.fallback:
+                    raise
+                self._use_fallback(str(exc))
+        if self._fallback is None:
+            raise RuntimeError("generator 'static': generate() called before setup()")
+        return self._fallback.generate(prompt_ids)
+
+    def _generate_seeded(self, prompt_ids: list[list[int]]) -> Any:
+        """Decode under the seed ``sampling.seed`` plus a per-call counter (as the transformers
+        generator does), leaving the global RNG state as it was."""
+        import torch
+
+        assert self._decoder is not None
+        seed = None if self.sampling.seed is None else self.sampling.seed * 1_000_003 + self.calls
+        self.calls += 1
+        device = self._decoder.parts.embed.weight.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return self._decoder.generate(prompt_ids)
+
+    def state_dict(self) -> dict[str, int]:
+        """The call counter that seeds each generation (saved in checkpoints for resuming)."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = int(state.get("calls", 0))
+
+    def on_weights_updated(self, model: Any) -> None:
+        # The captured graph reads the parameters in place, so in-place optimizer updates need
+        # nothing; a model whose parameters were re-allocated is detected in generate().
+        if self._fallback is not None:
+            self._fallback.on_weights_updated(model)

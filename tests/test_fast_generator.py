@@ -1,0 +1,227 @@
+"""The ``static`` generator (static KV cache, captured decode step) on tiny CPU models: greedy
+decoding matches ``model.generate``, sampling follows the processed distribution, the filters
+restrict the support exactly as transformers' warpers do, and EOS / truncation are reported as
+the ``transformers`` backend reports them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_plugins.generators.static_cache import StaticCacheGenerator
+from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError, process_logits
+from grpo_plugins.kinds import SamplingSettings
+from grpo_plugins.models import load_model
+from grpo_plugins.registry import get_registry
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16, 17], [1, 40]]
+
+
+def _load(spec: dict) -> tuple:
+    model, tokenizer = load_model(spec, dtype="float32", seed=0)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model: dict) -> tuple:
+    return _load(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny_qwen2: dict) -> tuple:
+    return _load(tiny_qwen2)
+
+
+def _reference_generate(model, prompts, max_new_tokens, eos_id, pad_id=0):
+    """Greedy ``model.generate`` on left-padded prompts -> (B, T) new tokens."""
+    P = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])
+    mask = (ids != pad_id).long()
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id, eos_token_id=eos_id,
+    )
+    return out[:, P:]
+
+
+def _teacher_forced_logps(model, prompt, completion, temperature=1.0):
+    """log p(completion token | prefix) from one plain forward pass, (T,)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_tokens_match_model_generate(arch: str, request: pytest.FixtureRequest) -> None:
+    model, _ = request.getfixturevalue(arch)
+    decoder = StaticDecoder(model, SamplingSettings(max_completion_length=24, top_k=1), [2], 0, prompt_multiple=16)
+    ids, mask, truncated, _ = decoder.generate(PROMPTS)
+    reference = _reference_generate(model, PROMPTS, 24, eos_id=2)
+    assert ids.shape == reference.shape
+    assert torch.equal(ids, reference)
+
+
+def test_sampling_logps_equal_a_forward_pass(qwen2: tuple) -> None:
+    model, _ = qwen2
+    torch.manual_seed(0)
+    sampling = SamplingSettings(max_completion_length=16, temperature=0.7)
+    ids, mask, _, logps = StaticDecoder(model, sampling, [], 0, prompt_multiple=8).generate(PROMPTS)
+    for row, prompt in enumerate(PROMPTS):
+        n = int(mask[row].sum())
+        expected = _teacher_forced_logps(model, prompt, ids[row, :n].tolist(), temperature=0.7)
+        torch.testing.assert_close(logps[row, :n], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_first_token_distribution_matches_softmax(llama: tuple) -> None:
+    model, _ = llama
+    torch.manual_seed(1)
+    n = 6000
+    sampling = SamplingSettings(max_completion_length=1, temperature=0.5)
+    ids, *_ = StaticDecoder(model, sampling, [], 0, prompt_multiple=8).generate([PROMPTS[0]] * n)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    probs = (logits / 0.5).softmax(-1)
+    empirical = torch.bincount(ids[:, 0], minlength=probs.numel()).float() / n
+    total_variation = 0.5 * (empirical - probs).abs().sum().item()
+    # E[TV] for this many samples is about 0.03 here; a wrong temperature or order gives > 0.15.
+    assert total_variation < 0.07
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(top_k=5),
+        dict(top_p=0.6),
+        dict(min_p=0.2),
+        dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+        dict(repetition_penalty=1.3),
+    ],
+)
+def test_filters_match_transformers_warpers(settings: dict) -> None:
+    from transformers import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(2)
+    s = SamplingSettings(**settings)
+    logits = torch.randn(6, 50) * 3
+    history = torch.randint(0, 50, (6, 7))
+    seen = torch.zeros(6, 50, dtype=torch.bool).scatter(1, history, True)
+    expected = logits.clone()
+    warpers = [RepetitionPenaltyLogitsProcessor(s.repetition_penalty)] if s.repetition_penalty != 1 else []
+    warpers += [TemperatureLogitsWarper(s.temperature)] if s.temperature != 1 else []
+    warpers += [TopKLogitsWarper(s.top_k)] if s.top_k else []
+    warpers += [TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []
+    warpers += [MinPLogitsWarper(s.min_p)] if s.min_p else []
+    for warper in warpers:
+        expected = warper(history, expected)
+    actual = process_logits(logits, seen, s)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    torch.testing.assert_close(actual[~torch.isinf(actual)], expected[~torch.isinf(expected)])
+
+
+def test_top_k_restricts_sampled_support(qwen2: tuple) -> None:
+    model, _ = qwen2
+    torch.manual_seed(3)
+    ids, *_ = StaticDecoder(model, SamplingSettings(max_completion_length=1, top_k=3), [], 0).generate([PROMPTS[1]] * 500)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPTS[1]])).logits[0, -1]
+    assert set(ids[:, 0].tolist()) == set(logits.topk(3).indices.tolist())
+
+
+def test_eos_ends_a_completion_and_truncation_is_flagged(llama: tuple) -> None:
+    model, _ = llama
+    greedy = SamplingSettings(max_completion_length=12, top_k=1)
+    free, *_ = StaticDecoder(model, greedy, [], 0).generate(PROMPTS)
+    eos = int(free[0, 3])  # make the 4th greedy token of row 0 the EOS
+    ids, mask, truncated, logps = StaticDecoder(model, greedy, [eos], 0).generate(PROMPTS)
+    reference = _reference_generate(model, PROMPTS, 12, eos_id=eos)
+    assert torch.equal(ids, reference[:, : ids.shape[1]])
+    for row in range(len(PROMPTS)):
+        hits = (free[row] == eos).nonzero()
+        length = int(hits[0]) + 1 if len(hits) else 12
+        assert int(mask[row].sum()) == length  # EOS included
+        assert bool(truncated[row]) == (len(hits) == 0)
+        assert (ids[row, length:] == 0).all() and (logps[row, length:] == 0).all()
+    assert int(mask[0].sum()) == 4 and not truncated[0]
+
+
+def test_all_rows_finishing_early_stops_decoding(llama: tuple) -> None:
+    model, _ = llama
+    greedy = SamplingSettings(max_completion_length=64, top_k=1)
+    free, *_ = StaticDecoder(model, greedy, [], 0).generate([PROMPTS[0]])
+    eos = int(free[0, 1])
+    ids, mask, truncated, _ = StaticDecoder(model, greedy, [eos], 0, check_every=1).generate([PROMPTS[0]] * 3)
+    assert ids.shape == (3, 2) and mask.sum().item() == 6 and not truncated.any()
+
+
+def test_generator_uses_the_current_lora_weights(tiny_qwen2: dict) -> None:
+    model, tokenizer = load_model(tiny_qwen2, dtype="float32", lora={"r": 4, "target_modules": "all-linear"}, seed=0)
+    generator = get_registry().build("generator", "static")
+    generator.setup(model, tokenizer, SamplingSettings(max_completion_length=10, top_k=1))
+    before = generator.generate(PROMPTS).completion_ids
+    with torch.no_grad():  # an optimizer step, in place: the adapter now changes the output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    after = generator.generate(PROMPTS).completion_ids
+    assert not torch.equal(before, after)
+    assert torch.equal(after, _reference_generate(model, PROMPTS, 10, eos_id=tokenizer.eos_token_id)[:, : after.shape[1]])
+    assert model.training is False or model.training is True  # mode restored below
+    model.train()
+    generator.generate(PROMPTS)
+    assert model.training
+
+
+def test_output_contract_matches_the_transformers_backend(tiny_model: dict) -> None:
+    model, tokenizer = _load(tiny_model)
+    sampling = SamplingSettings(max_completion_length=8, top_k=1, seed=5)
+    outputs = {}
+    for name in ("static", "transformers"):
+        generator = get_registry().build("generator", name)
+        generator.setup(model, tokenizer, sampling)
+        outputs[name] = generator.generate(PROMPTS)
+    fast, slow = outputs["static"], outputs["transformers"]
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert torch.equal(fast.completion_mask, slow.completion_mask)
+    assert torch.equal(fast.is_truncated, slow.is_truncated)
+    torch.testing.assert_close(fast.sampling_logps, slow.sampling_logps, atol=1e-5, rtol=1e-5)
+    assert fast.completion_ids.dtype == torch.long and fast.completion_mask.dtype == slow.completion_mask.dtype
+
+
+def test_same_seed_gives_the_same_samples(tiny_model: dict) -> None:
+    model, tokenizer = _load(tiny_model)
+    runs = []
+    for _ in range(2):
+        generator = get_registry().build("generator", "static")
+        generator.setup(model, tokenizer, SamplingSettings(max_completion_length=8, seed=11))
+        runs.append([generator.generate(PROMPTS).completion_ids for _ in range(2)])
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][0], runs[0][1])  # the per-call counter moves the seed
+
+
+def test_unsupported_model_falls_back_or_raises(tiny_model: dict) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tokenizer = _load(tiny_model)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2)).eval()
+    strict = get_registry().build("generator", "static", {"fallback": False})
+    with pytest.raises(UnsupportedModelError, match="generator: transformers"):
+        strict.setup(gpt2, tokenizer, SamplingSettings(max_completion_length=4))
+    lenient = get_registry().build("generator", "static")
+    lenient.setup(gpt2, tokenizer, SamplingSettings(max_completion_length=4))
+    out = lenient.generate(PROMPTS)
+    assert out.completion_ids.shape[0] == len(PROMPTS) and out.sampling_logps is not None
+
+
+def test_ignore_eos_samples_the_full_length(llama: tuple) -> None:
+    model, tokenizer = llama
+    generator = StaticCacheGenerator(StaticCacheGenerator.Params(ignore_eos=True))
+    generator.setup(model, tokenizer, SamplingSettings(max_completion_length=9))
+    out = generator.generate(PROMPTS)
+    assert out.completion_ids.shape == (4, 9) and out.completion_mask.all()

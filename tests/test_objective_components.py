@@ -223,3 +223,11 @@ def test_builtin_losses_register_without_importing_torch():
         "assert 'torch' not in sys.modules, 'torch imported by registration'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_public_api_names():
+    from grpo_plugins.advantages import compute_advantages
+    from grpo_plugins.objective import compute_loss as core_compute_loss
+
+    assert grpo_plugins.compute_loss is core_compute_loss
+    assert grpo_plugins.compute_advantages is compute_advantages

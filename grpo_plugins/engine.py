@@ -30,6 +30,7 @@ import math
 import os
 import resource
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -721,7 +722,9 @@ class Engine:
             self.optimizer.step()
         # No active token in the whole window (e.g. all completions truncated and masked): the
         # gradient is exactly zero and the parameters must not move, so AdamW does not step.
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step = step_number
         self.generator.on_weights_updated(self.unwrapped)

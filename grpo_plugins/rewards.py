@@ -216,21 +216,21 @@ def _accepted_kwargs(fn: Any) -> tuple[set[str] | None, set[str]]:
     return (None if var_kw else accepted), required
 
 
-def _worker_main(conn: Any) -> None:
-    """Loop of a reward worker process: receive (fn, kwargs), send back the result or error."""
+def _worker_main(conn: Any, fn: Any) -> None:
+    """Loop of a reward worker process: receive kwargs, send back the result or the error."""
+    conn.send(("ready",))  # ``fn`` (and its module) is loaded: calls are timed from here on
     while True:
         try:
-            msg = conn.recv()
+            kwargs = conn.recv()
         except EOFError:
             return
-        if msg is None:
+        if kwargs is None:
             return
-        fn, kwargs = msg
         try:
             result = fn(**kwargs)
             if inspect.isawaitable(result):
                 result = asyncio.run(_await(result))
-            conn.send(("ok", list(result) if not isinstance(result, list) else result))
+            conn.send(("ok", result if isinstance(result, list) else list(result)))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
@@ -249,9 +249,17 @@ class _CallFailed(Exception):
 
 
 class _ProcessWorker:
-    """One long-lived worker process for an ``executor: process`` reward (killed on timeout)."""
+    """One long-lived worker process for an ``executor: process`` reward (killed on timeout).
 
-    def __init__(self) -> None:
+    The reward is sent once, when the worker starts; its start-up (importing the reward's
+    module) does not count against the reward's timeout, but must finish within
+    ``STARTUP_TIMEOUT`` seconds.
+    """
+
+    STARTUP_TIMEOUT = 300.0
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
         self._proc: Any = None
         self._conn: Any = None
         self._lock = threading.Lock()
@@ -259,22 +267,31 @@ class _ProcessWorker:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # no fork of a threaded (torch) parent
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self._proc.start()
+        proc = ctx.Process(target=_worker_main, args=(child, self.fn), daemon=True)
+        try:
+            proc.start()
+        except Exception as exc:  # e.g. a lambda or a local function cannot be pickled
+            raise _CallFailed(
+                f"cannot be sent to a worker process ({type(exc).__name__}: {exc}); "
+                "use a module-level function or executor: thread"
+            ) from None
         child.close()
-        self._conn = parent
+        self._proc, self._conn = proc, parent
+        if not parent.poll(self.STARTUP_TIMEOUT):
+            self.kill()
+            raise _CallFailed(f"worker process did not start within {self.STARTUP_TIMEOUT:g} s")
+        try:
+            parent.recv()
+        except EOFError:
+            code = proc.exitcode if proc.join(5) is None else None
+            self.kill()
+            raise _CallFailed(f"worker process failed to start (exit code {code}); is the reward importable?") from None
 
-    def call(self, fn: Any, kwargs: dict[str, Any], timeout: float | None) -> Any:
+    def call(self, kwargs: dict[str, Any], timeout: float | None) -> Any:
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            try:
-                self._conn.send((fn, kwargs))
-            except Exception as exc:  # e.g. a lambda or a local function cannot be pickled
-                raise _CallFailed(
-                    f"cannot be sent to a worker process ({type(exc).__name__}: {exc}); "
-                    "use a module-level function or executor: thread"
-                ) from None
+            self._conn.send(kwargs)
             if not self._conn.poll(timeout):
                 self.kill()
                 raise _CallFailed(f"timed out after {timeout:g} s", timed_out=True)
@@ -374,7 +391,7 @@ class RewardRunner:
                     is_async=_is_async(fn),
                     accepted=accepted,
                     required=required,
-                    worker=_ProcessWorker() if spec.executor == "process" else None,
+                    worker=_ProcessWorker(fn) if spec.executor == "process" else None,
                 )
             )
         self.names: list[str] = [r.name for r in self._rewards]
@@ -444,7 +461,7 @@ class RewardRunner:
     def _submit(self, r: _Reward, kwargs: dict[str, Any]) -> cf.Future[Any]:
         timeout = r.spec.timeout
         if r.worker is not None:
-            return self._threads().submit(r.worker.call, r.fn, kwargs, timeout)
+            return self._threads().submit(r.worker.call, kwargs, timeout)
         if r.is_async:
             coro = asyncio.wait_for(_await(r.fn(**kwargs)), timeout)
             return asyncio.run_coroutine_threadsafe(coro, self._event_loop())

@@ -1,4 +1,8 @@
-"""RewardRunner and resolve_reward: the TRL contract, concurrency, timeouts, failures."""
+"""RewardRunner and resolve_reward: the TRL contract, concurrency, timeouts, failures.
+
+torch is imported inside the tests only: the worker process of ``executor: process`` rewards
+imports this module to find them, and should start quickly.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import grpo_plugins
 from grpo_plugins.config import GRPOConfig, RewardSpec
@@ -95,6 +98,8 @@ def run(rewards, registry, *, prompts=PROMPTS, completions=COMPLETIONS, columns=
 
 
 def test_trl_reward_functions_run_unchanged(registry):
+    import torch
+
     out, runner = run([reward_func, reward_len], registry)
     assert runner.names == ["reward_func", "reward_len"]
     assert out.dtype == torch.float32 and out.shape == (4, 2)
@@ -256,6 +261,8 @@ def test_check_reward_specs_names_the_params_path():
 
 
 def test_reward_metrics():
+    import torch
+
     rewards = torch.tensor([[1.0, math.nan], [3.0, 2.0]])
     m = reward_metrics(rewards, ["a", "b"])
     assert m["rewards/a/mean"] == 2.0 and m["rewards/a/std"] == pytest.approx(math.sqrt(2))
@@ -345,6 +352,8 @@ def test_process_timeout_kills_the_worker(registry):
 
 @pytest.mark.parametrize("fn", [raises_on_third, wrong_length, returns_string, returns_nan, returns_inf])
 def test_on_error_none_turns_failures_into_nan(registry, fn):
+    import torch
+
     out, _ = run([{"name": f"{__name__}:{fn.__name__}", "on_error": "none"}, reward_len], registry)
     col = out[:, 0]
     assert torch.isnan(col).any() and not torch.isnan(out[:, 1]).any()
@@ -353,6 +362,8 @@ def test_on_error_none_turns_failures_into_nan(registry, fn):
 
 
 def test_on_error_none_timeout(registry):
+    import torch
+
     out, _ = run([{"name": f"{__name__}:sleepy", "timeout": 0.2, "on_error": "none"}, reward_len], registry)
     assert torch.isnan(out[:, 0]).all() and not torch.isnan(out[:, 1]).any()
 

@@ -371,17 +371,12 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
                         f"arguments only: {expected}"
                     )
             continue
+        # The core calls interface methods positionally, so parameter names are the author's.
         names = [p.name for p in inspect.signature(spec).parameters.values() if p.name != "self"]
-        for how, bind in (
-            ("positionally", lambda: actual.bind(*names)),
-            ("by keyword", lambda: actual.bind(**{n: n for n in names})),
-        ):
-            try:
-                bind()
-            except TypeError as exc:
-                problems.append(
-                    f"{format_signature(method, target)} cannot be called {how} as {expected} ({exc})"
-                )
+        try:
+            actual.bind(*names)
+        except TypeError as exc:
+            problems.append(f"{format_signature(method, target)} cannot be called as {expected} ({exc})")
     return problems
 
 
@@ -541,7 +536,9 @@ def _check_rollout_correction(built: Any, sample: dict[str, Any]) -> list[str]:
     rows, cols = mask.shape
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(rows, cols, generator=g) * mask  # (B, T)
-    sampling = (old + 0.7 * torch.randn(rows, cols, generator=g)) * mask  # (B, T)
+    sampling = old + 0.7 * torch.randn(rows, cols, generator=g)  # (B, T)
+    sampling[0, 0] = old[0, 0] - 1.5  # one token with a ratio of e^1.5, above the cap
+    sampling = sampling * mask
     cap = 2.0
     weights = built.weights(old, sampling, mask, cap)
     problems = _tensor_problems("weights", weights, [(rows, cols), (rows, 1)])
@@ -660,8 +657,8 @@ def check_component(
     ``obj`` is what a plugin passes to ``register`` (a class, or for rewards also a function).
     Checked: that it registers (a name without ':', ``Params`` a pydantic model); that it builds
     as the registry builds it, with ``params`` (default: the params model's defaults); that each
-    interface method exists, is implemented, and accepts the interface's arguments both
-    positionally and by keyword; and, with ``behaviour``, what it does on a small random input:
+    interface method exists, is implemented, and accepts the interface's arguments (the core passes
+    them positionally; a reward gets keyword arguments); and, with ``behaviour``, what it does on a small random input:
 
     * reward: called with ``prompts``, ``completions``, ``completion_ids`` and the columns in
       ``sample`` (which may also replace those three); returns one float or None per completion;

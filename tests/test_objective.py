@@ -404,3 +404,30 @@ def test_dapo_normaliser_is_the_window_token_count():
     loss_local, _ = compute_loss(b["logp"][rows], b["old"][rows], b["adv"][rows], b["mask"][rows], loss_type="dapo")
     # local normaliser 6; window normaliser 24 / 2 processes = 12
     torch.testing.assert_close(loss_window, loss_local * 6 / 12)
+
+
+def test_nan_sampler_logprob_counts_as_no_mismatch():
+    # Token 0: old - sampling = ln 1.5 -> rho 1.5; token 1: sampler gave NaN -> rho 1.
+    loss, _, m = _one([[0.0, 0.0]], advantages=[1.0], loss_type="bnpo",
+                      sampling_per_token_logps=[[-math.log(1.5), float("nan")]])
+    assert loss == pytest.approx(-(1.5 + 1.0) / 2)
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(1.5)
+
+
+def test_bnpo_normalises_each_micro_batch_by_its_own_tokens():
+    """Unlike dapo, bnpo's accumulated gradient differs from one big batch when micro-batches
+    hold different numbers of tokens (TRL's definition: local normalisation)."""
+    b = _window_batch()
+    big = b["logp"].clone().requires_grad_(True)
+    _grad(b, slice(None), big, loss_type="bnpo")
+    accumulated = b["logp"].clone().requires_grad_(True)
+    for k in range(4):
+        _grad(b, slice(2 * k, 2 * k + 2), accumulated, loss_type="bnpo", gradient_accumulation_steps=4)
+    assert not torch.allclose(accumulated.grad, big.grad)
+    # Each micro-batch's tokens are weighted by 1 / (4 * its own token count).
+    tokens = b["mask"].sum(-1).view(4, 2).sum(-1).double()  # (4,) tokens per micro-batch
+    ratio = (accumulated.grad / big.grad).nan_to_num(nan=0.0)
+    for k in range(4):
+        active = b["mask"][2 * k : 2 * k + 2].bool()
+        expected = b["mask"].sum().item() / (4 * tokens[k].item())
+        torch.testing.assert_close(ratio[2 * k : 2 * k + 2][active], torch.full((int(active.sum()),), expected, dtype=torch.float64))

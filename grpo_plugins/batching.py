@@ -21,6 +21,7 @@ statistics are taken.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any
 
 from grpo_plugins.errors import GRPOPluginsError
 
-__all__ = ["BatchPlan", "BatchPlanError", "BatchPlanWarning", "Step", "make_plan", "plan_from_config"]
+__all__ = ["BatchPlan", "BatchPlanError", "BatchPlanWarning", "Step", "make_plan", "plan_from_config", "world_size"]
 
 
 class BatchPlanError(GRPOPluginsError, ValueError):
@@ -235,7 +236,8 @@ def make_plan(
             f"per_device_train_batch_size = {effective}) is not divisible by num_generations "
             f"({num_generations}); change per_device_train_batch_size, steps_per_generation "
             f"(or gradient_accumulation_steps) or num_generations so that it is, e.g. "
-            f"num_generations to a divisor of {effective}",
+            f"num_generations to a divisor of {effective} or steps_per_generation to "
+            f"{math.lcm(per_step, num_generations) // per_step}",
             "num_generations",
         )
     cycle_steps = spg * mu
@@ -267,7 +269,7 @@ def plan_from_config(config: Any, num_processes: int | None = None) -> BatchPlan
     variable (set by ``accelerate launch`` / torchrun), then 1.
     """
     if num_processes is None:
-        num_processes = config.num_processes or _world_size()
+        num_processes = config.num_processes or world_size()
     return make_plan(
         per_device_train_batch_size=config.per_device_train_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -279,7 +281,7 @@ def plan_from_config(config: Any, num_processes: int | None = None) -> BatchPlan
     )
 
 
-def _world_size() -> int:
+def world_size() -> int:
     raw = os.environ.get("WORLD_SIZE", "").strip()
     try:
         return max(1, int(raw)) if raw else 1

@@ -299,7 +299,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _plan_from_args(args: argparse.Namespace) -> BatchPlan:
-    from grpo_plugins.batching import make_plan, plan_from_config
+    from grpo_plugins.batching import make_plan, plan_from_config, world_size
     from grpo_plugins.config import GRPOConfig, load_config
 
     flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
@@ -314,14 +314,8 @@ def _plan_from_args(args: argparse.Namespace) -> BatchPlan:
     defaults = GRPOConfig.model_fields
     settings = {k: flags.get(k, defaults[k].default) for k in PLAN_FLAGS}
     if settings["num_processes"] is None:
-        settings["num_processes"] = _world_size_or_one()
+        settings["num_processes"] = world_size()
     return make_plan(**settings)
-
-
-def _world_size_or_one() -> int:
-    from grpo_plugins.batching import _world_size
-
-    return _world_size()
 
 
 def _cycle_name(n: int) -> str:
@@ -479,7 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    # --debug is also accepted after the command (SUPPRESS: absent there, the global value stays).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
 
     def add_set(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -487,24 +487,24 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a config key (value parsed as YAML; dotted keys for nested ones); repeatable",
         )
 
-    p = sub.add_parser("list", help="list the installed components and broken plugins")
+    p = command("list", "list the installed components and broken plugins")
     p.add_argument("--kind", choices=list(KINDS), help="only this kind")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("show", help="a component's documentation and params")
+    p = command("show", "a component's documentation and params")
     p.add_argument("name", help="component name, or distribution:name")
     p.add_argument("--kind", choices=list(KINDS), help="only this kind")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("validate", help="check a config completely, without loading a model")
+    p = command("validate", "check a config completely, without loading a model")
     p.add_argument("config", help="YAML config file")
     add_set(p)
     p.add_argument("--num-processes", type=_positive_int, help="processes for the batch check (default: config, WORLD_SIZE, 1)")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("plan", help="show the batch arithmetic and generation cycles")
+    p = command("plan", "show the batch arithmetic and generation cycles")
     p.add_argument("config", nargs="?", help="YAML config file (the flags override it)")
     add_set(p)
     for name in PLAN_FLAGS:
@@ -514,14 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the JSON shape of SPEC section 5")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("train", help="run GRPO training")
+    p = command("train", "run GRPO training")
     p.add_argument("config", help="YAML config file")
     add_set(p)
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                    help="continue from the last checkpoint (of output_dir, or of DIR)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("config-reference", help="print (or write) the config reference in Markdown")
+    p = command("config-reference", "print (or write) the config reference in Markdown")
     p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
     p.add_argument("--check", action="store_true", help="exit 2 if --output is not up to date")
     p.set_defaults(func=cmd_config_reference)

@@ -333,6 +333,8 @@ def test_debug_shows_the_traceback():
 
     with pytest.raises(BatchPlanError):
         cli.main(["--debug", "plan", "--num-generations", "5", "--per-device-train-batch-size", "3"])
+    with pytest.raises(BatchPlanError):  # also after the command
+        cli.main(["plan", "--num-generations", "5", "--per-device-train-batch-size", "3", "--debug"])
 
 
 def test_interrupt_exits_130(monkeypatch: pytest.MonkeyPatch, capsys):

@@ -95,8 +95,10 @@ def load_dataset_spec(spec: DatasetSpec) -> datasets.Dataset:
     ):
         try:
             return _pick_split(datasets.load_from_disk(str(path)), spec.split, spec.path)
-        except FileNotFoundError as exc:
-            raise DataError(f"dataset.path '{spec.path}': cannot read the saved dataset: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any failure to read is the same problem for the user
+            raise DataError(
+                f"dataset.path '{spec.path}': cannot read the saved dataset ({type(exc).__name__}: {exc})"
+            ) from exc
     elif builder in set(_BUILDERS.values()):
         raise DataError(f"dataset.path '{builder}' needs dataset.data_files (the file(s) to read)")
     elif not path.exists() and (spec.path.startswith((".", "/", "~")) or spec.path.count("/") > 1):

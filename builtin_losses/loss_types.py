@@ -24,7 +24,9 @@ def _window_normaliser(inputs: LossInputs) -> Tensor:
     micro-batch's tokens times the accumulation steps."""
     if inputs.num_items_in_batch is None:
         return inputs.mask.sum().clamp(min=1.0) * inputs.gradient_accumulation_steps
-    return inputs.num_items_in_batch.clamp(min=1.0) / inputs.num_processes
+    items = inputs.num_items_in_batch
+    items = items if hasattr(items, "clamp") else inputs.mask.new_tensor(float(items))  # a plain number
+    return items.clamp(min=1.0) / inputs.num_processes
 
 
 class GRPO(LossType):

@@ -231,3 +231,18 @@ def test_public_api_names():
 
     assert grpo_plugins.compute_loss is core_compute_loss
     assert grpo_plugins.compute_advantages is compute_advantages
+
+
+def test_builtin_losses_pass_the_component_contract_checker():
+    import builtin_losses
+    from grpo_plugins.testing import check_plugin
+
+    components = check_plugin(builtin_losses)
+    assert len(components) == 6 + 2 + 3 + 4
+
+
+def test_dapo_accepts_a_plain_number_of_items_in_loss_inputs():
+    logp, old, adv, mask = batch()
+    as_number, _ = compute_loss(logp, old, adv, mask, loss_type="dapo", num_items_in_batch=20)
+    as_tensor, _ = compute_loss(logp, old, adv, mask, loss_type="dapo", num_items_in_batch=torch.tensor(20))
+    assert as_number == as_tensor

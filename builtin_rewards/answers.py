@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 from typing import Any, Literal
 
@@ -92,6 +93,9 @@ class _NoTimeoutWarning(logging.Filter):
         return "Timeout is disabled" not in record.getMessage()
 
 
+_MATHY = re.compile(r"[\d\\^_{}=+*/-]")
+
+
 class MathVerify:
     """1.0 when the completion's answer is mathematically equivalent to the reference (the
     ``math-verify`` package: LaTeX and plain expressions, ``\\boxed{}``), else 0.0. A reference
@@ -122,7 +126,9 @@ class MathVerify:
         for completion, ref in zip(completions, refs):
             ref_text = str(ref)
             # Signal-based timeouts only work in the main thread; rewards run in worker threads.
-            gold = parse(ref_text if "$" in ref_text or "\\" in ref_text else f"${ref_text}$")
+            gold = parse(ref_text)
+            if not gold and "$" not in ref_text and _MATHY.search(ref_text):
+                gold = parse(f"${ref_text}$")  # bare LaTeX such as \sqrt{2} or x^2+1
             if not gold:
                 out.append(None)
                 continue

@@ -104,6 +104,7 @@ def check_config(
         if component is not None:
             check.components[name] = component
     _check_rewards(check)
+    _check_model(check)
     _check_data(check)
     try:
         check.plan = plan_from_config(config, num_processes)
@@ -208,8 +209,46 @@ def _entry_name(entry: Any) -> str:
 
 
 def _check_data(check: ConfigCheck) -> None:
-    if check.config.task is None and check.config.dataset is None:
+    config = check.config
+    if config.task is None and config.dataset is None:
         check.problems.append(("task", "the run has no data: set 'task:' to a task name or give a 'dataset:'"))
+    if config.dataset is not None:
+        files = config.dataset.data_files
+        listed = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else []
+        for i, name in enumerate(listed):
+            if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
+                where = "dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
+                check.problems.append((where, f"no such file: {name}"))
+
+
+def _is_local_path(name: str) -> bool:
+    """Looks like a file system path rather than a hub id or URL."""
+    return "://" not in name and (
+        name.startswith(("/", "./", "../", "~")) or name.endswith((".gguf", ".json", ".jsonl", ".csv", ".parquet"))
+    )
+
+
+def _check_model(check: ConfigCheck) -> None:
+    model = check.config.model
+    if isinstance(model, str):
+        name, path = model, "model"
+    else:
+        name, path = model.name_or_path, "model.name_or_path"
+        if model.tokenizer is not None and _is_local_path(model.tokenizer) and not os.path.exists(os.path.expanduser(model.tokenizer)):
+            check.problems.append(("model.tokenizer", f"no such file or directory: {model.tokenizer}"))
+    if name is None:
+        return
+    if name.startswith("builtin:"):
+        try:
+            from grpo_plugins.models import builtin_gguf_path
+        except ImportError:  # the model loader is optional for this check
+            return
+        try:
+            builtin_gguf_path(name.removeprefix("builtin:"))
+        except GRPOPluginsError as exc:
+            check.problems.append((path, str(exc)))
+    elif _is_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+        check.problems.append((path, f"no such file or directory: {name}"))
 
 
 def _warn_questionable(config: GRPOConfig) -> None:

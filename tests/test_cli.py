@@ -189,6 +189,17 @@ def test_validate_is_fast_and_never_imports_torch(tmp_path: Path, site: Path):
     assert min(timings) < 1.5, timings
 
 
+def test_the_spec_minimal_config_validates_with_the_installed_plugins(tmp_path: Path):
+    from test_config import MINIMAL
+
+    config = tmp_path / "minimal.yaml"
+    config.write_text(MINIMAL)
+    result = run("validate", str(config), code=PROBE)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) | {"seconds": 0} == {"code": 0, "seconds": 0, "heavy": []}
+    assert "rewards: correct_answer x 1, format x 0.5" in result.stdout
+
+
 def test_validate_reports_what_it_checked(tmp_path: Path, site: Path):
     config = tmp_path / "run.yaml"
     config.write_text(GOOD)

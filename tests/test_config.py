@@ -209,6 +209,11 @@ MALFORMED = [
     ({"task": None, "dataset": None}, "task", "no data"),
     ({"vllm_importance_sampling_correction": "sometimes"}, "vllm_importance_sampling_correction", "'auto'"),
     ({"train_batch_size": 2}, "train_batch_size", "alias of per_device_train_batch_size"),
+    ({"model": "builtin:nope"}, "model", "unknown built-in model 'builtin:nope'"),
+    ({"model": "./no/such/model.gguf"}, "model", "no such file or directory"),
+    ({"model": {"config": {"model_type": "llama"}, "tokenizer": "/no/such/tokenizer"}}, "model.tokenizer", "no such file"),
+    ({"dataset": {"path": "json", "data_files": "./no/such/train.jsonl"}}, "dataset.data_files", "no such file"),
+    ({"report_to": ["jsonl", "wandb"]}, "report_to.1", "'tensorboard'"),
 ]
 
 

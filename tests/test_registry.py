@@ -227,6 +227,20 @@ def test_every_kind_has_a_decorator():
         assert callable(getattr(grpo_plugins, kind)), kind
 
 
+def test_every_hookspec_registers_one_kind_and_is_documented():
+    import inspect
+
+    from grpo_plugins import hookspecs
+    from grpo_plugins.kinds import KINDS
+
+    specs = {name for name, fn in vars(hookspecs).items() if callable(fn) and name.startswith("register_")}
+    assert specs == set(KINDS.values())
+    for name in specs:
+        fn = getattr(hookspecs, name)
+        assert list(inspect.signature(fn).parameters) == ["register"], name
+        assert inspect.getdoc(fn), name
+
+
 def test_a_hook_that_raises_marks_its_plugin_broken():
     registry = Registry(entry_points=False)
 

@@ -1,0 +1,117 @@
+"""Kill-and-resume: a run SIGKILLed after its first checkpoint and resumed ends exactly where an
+uninterrupted run ends (parameters and metrics).
+
+The training runs in subprocesses (this file is also the script they run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PROMPTS = [{"prompt": p} for p in ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]]
+#: Metrics that measure time or memory differ between runs; everything else must be equal.
+VOLATILE = ("timing/", "tokens_per_second", "peak_memory_gb")
+
+
+def slow_char_sum(completions: list[str], **kwargs: Any) -> list[float]:
+    """Sum of character codes mod 7; sleeps so that the run can be killed mid-way."""
+    time.sleep(float(os.environ.get("TEST_REWARD_SLEEP", "0")))
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def _config(tiny_model: dict, output_dir: Path) -> dict[str, Any]:
+    # 3 updates per cycle, a checkpoint every 2: checkpoints 2 and 4 fall inside a cycle, and the
+    # logging window (3 steps) is open when they are written.
+    return {
+        "model": tiny_model,
+        "task": None,
+        "output_dir": str(output_dir),
+        "max_steps": 6,
+        "save_steps": 2,
+        "save_total_limit": None,
+        "logging_steps": 3,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": 3,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 1,
+        "report_to": ["jsonl", "tensorboard"],
+        "seed": 3,
+    }
+
+
+def _start(config_path: Path, *extra: str, sleep: float = 0.0) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "TEST_REWARD_SLEEP": str(sleep)}
+    return subprocess.Popen(
+        [sys.executable, __file__, str(config_path), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _final_weights(output_dir: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(output_dir / "checkpoints" / "checkpoint-6" / "model" / "model.safetensors"))
+
+
+def _stable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model: dict, tmp_path: Path) -> None:
+    import torch
+
+    from grpo_plugins.metrics import read_metrics
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for name, out in (("straight", straight), ("killed", killed)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_config(tiny_model, out)))
+
+    proc = _start(tmp_path / "straight.json")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+
+    proc = _start(tmp_path / "killed.json", sleep=1.5)
+    first = killed / "checkpoints" / "checkpoint-2"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "checkpoints" / "checkpoint-6").exists()  # it really was cut short
+
+    proc = _start(tmp_path / "killed.json", "--resume")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+
+    a, b = _final_weights(straight), _final_weights(killed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    ma, mb = read_metrics(straight), read_metrics(killed)
+    assert [r["step"] for r in ma] == [3, 6]
+    assert _stable(ma) == _stable(mb)
+
+
+if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
+    from grpo_plugins.engine import Engine
+
+    config = json.loads(Path(sys.argv[1]).read_text())
+    resume = "--resume" in sys.argv[2:]
+    Engine(config, rewards=[slow_char_sum], dataset=PROMPTS).train(resume=True if resume else None)

@@ -1,0 +1,135 @@
+"""The code-execution reward and its sandbox: scores, time limits, and no writes outside."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from builtin_rewards.code_execution import CodeExecution, extract_code
+from builtin_rewards.sandbox import SandboxLimits, run_python
+
+FAST = SandboxLimits(timeout=1.0, cpu_seconds=1, memory_mb=256)
+
+
+@pytest.fixture()
+def outside(tmp_path: Path) -> Path:
+    """A world-writable directory outside the sandbox: only the sandbox itself can stop a write."""
+    target = tmp_path / "outside"
+    target.mkdir()
+    os.chmod(tmp_path, 0o777)
+    os.chmod(target, 0o777)
+    return target
+
+
+def reward(**params) -> CodeExecution:
+    return CodeExecution(CodeExecution.Params(**{"timeout": 1.0, "cpu_seconds": 1, **params}))
+
+
+def test_stdin_stdout_tests_score_the_fraction_passed():
+    tests = [[{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 0", "output": "1"}]] * 2
+    completions = [
+        "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```",
+        "```python\nprint(0)\n```",
+    ]
+    assert reward()(["q", "q"], completions, tests=tests) == pytest.approx([2 / 3, 0.0])
+
+
+def test_assert_tests_and_json_string_column():
+    tests = ['["assert square(3) == 9", "assert square(-2) == 4"]'] * 2
+    completions = ["def square(x):\n    return x * x", [{"role": "assistant", "content": "def square(x): return x + x"}]]
+    assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]
+    assert reward(all_or_nothing=True)(["q"], ["def square(x): return 4"], tests=[tests[0]]) == [0.0]
+
+
+def test_extract_code_takes_the_last_fence():
+    assert extract_code("```python\na=1\n```\ntext\n```py\nb=2\n```") == "b=2\n"
+    assert extract_code("print(1)") == "print(1)"
+
+
+def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall():
+    start = time.monotonic()
+    out = reward(timeout=1.0)(["q", "q"], ["while True:\n    pass", "print(1)"], tests=[[{"input": "", "output": "1"}]] * 2)
+    elapsed = time.monotonic() - start
+    assert out == [0.0, 1.0]
+    assert elapsed < 3.0  # one 1 s timeout (tests run in parallel), not forever
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_timeout_kills_the_whole_process_group():
+    # With the audit hook off the program may start a child; the kill must reach it too.
+    code = "import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
+    start = time.monotonic()
+    result = run_python(code, limits=FAST, audit_hook=False)
+    assert result.timed_out and result.returncode is None
+    assert time.monotonic() - start < 3.0
+    child = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 2
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_cpu_limit_kills_a_busy_loop_even_with_a_long_wall_clock():
+    result = run_python("while True: pass", limits=SandboxLimits(timeout=20, cpu_seconds=1))
+    assert not result.timed_out and result.returncode != 0 and result.seconds < 10
+
+
+def test_memory_limit():
+    result = run_python("x = bytearray(400 * 1024 * 1024)\nprint('allocated')", limits=FAST)
+    assert result.returncode != 0 and "MemoryError" in result.stderr
+
+
+def test_can_write_inside_its_own_directory():
+    result = run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", limits=FAST)
+    assert result.ok and result.stdout == "ok\n"
+
+
+def test_clean_environment_and_own_working_directory(monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+    result = run_python("import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))", limits=FAST)
+    cwd, secret = result.stdout.split()
+    assert "grpo-sandbox-" in cwd and secret == "None"
+
+
+ESCAPES = {
+    "open": "open({p!r}, 'w').write('x')",
+    "os_open": "import os\nos.close(os.open({p!r}, os.O_WRONLY | os.O_CREAT))",
+    "io_fileio": "import _io\n_io.FileIO({p!r}, 'w').write(b'x')",
+    "pathlib": "import pathlib\npathlib.Path({p!r}).write_text('x')",
+    "mkdir": "import os\nos.mkdir({p!r})",
+    "rename_out": "import os\nopen('f', 'w').close()\nos.rename('f', {p!r})",
+    "symlink": "import os\nos.symlink('/etc/passwd', {p!r})",
+    "shell": "import os\nos.system('echo x > ' + {p!r})",
+    "subprocess": "import subprocess\nsubprocess.run(['touch', {p!r}])",
+    "ctypes": "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.creat({p!r}.encode(), 0o644)",
+}
+
+
+@pytest.mark.parametrize("layers", ["both", "landlock_only", "audit_hook_only"])
+def test_cannot_write_outside_its_directory(outside: Path, layers: str):
+    landlock, audit = layers != "audit_hook_only", layers != "landlock_only"
+    for name, template in ESCAPES.items():
+        target = outside / name
+        result = run_python(template.format(p=str(target)), limits=FAST, landlock=landlock, audit_hook=audit)
+        assert not target.exists(), f"{name} ({layers}) wrote outside the sandbox: {result}"
+    assert list(outside.iterdir()) == []
+
+
+def test_file_size_limit():
+    result = run_python("open('big', 'wb').write(b'x' * 10_000_000)", limits=SandboxLimits(max_output_bytes=1 << 20))
+    assert result.returncode != 0
+
+
+def test_cannot_signal_the_trainer():
+    result = run_python(f"import os\nos.kill({os.getpid()}, 9)", limits=FAST, audit_hook=False)
+    assert result.returncode != 0 and "not permitted" in result.stderr

@@ -374,3 +374,13 @@ def test_config_reference_check(tmp_path: Path, capsys):
     assert cli.main(["config-reference", "--check", "--output", str(stale)]) == 2
     assert cli.main(["config-reference", "--output", str(stale)]) == 0
     assert stale.read_text() == cli.render_config_reference()
+
+
+def test_the_commands_in_docs_cli_md_run(capsys):
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    shown = [line.removeprefix("$ ").split()[1:] for line in text.splitlines() if line.startswith("$ grpo-plugins plan")]
+    assert shown
+    for argv in shown:
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "[1,1,2]" in out  # the example's output as the doc shows it

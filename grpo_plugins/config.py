@@ -11,7 +11,6 @@ import copy
 import difflib
 import os
 import re
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path

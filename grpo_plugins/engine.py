@@ -191,7 +191,17 @@ class Engine:
         from accelerate.utils import set_seed
 
         cfg = self.config
-        self.accelerator = acc = Accelerator(mixed_precision="fp16" if cfg.dtype == "float16" else "no")
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        # accelerate only sets up gloo for a CPU-only multi-process launch (torchrun) when told to.
+        cpu_only = world > 1 and not torch.accelerator.is_available()
+        self.accelerator = acc = Accelerator(
+            mixed_precision="fp16" if cfg.dtype == "float16" else "no", cpu=cpu_only
+        )
+        if acc.num_processes != world:
+            raise TrainingError(
+                f"launched as {world} processes (WORLD_SIZE) but accelerate set up {acc.num_processes}; "
+                "launch with `accelerate launch` or torchrun on a supported device"
+            )
         set_seed(cfg.seed)
         self.plan: BatchPlan = plan_from_config(cfg, acc.num_processes)
         if self.plan.num_processes != acc.num_processes:

@@ -1,0 +1,138 @@
+"""Two CPU processes (torchrun, gloo) train exactly like one process on the same data.
+
+The global batch is the same (2 x 4 completions per micro-step vs. 1 x 8), rewards are scaled
+over the whole batch (``scale_rewards: batch``) so every advantage depends on the gathered
+rewards, and dapo's normaliser counts the tokens of both processes. A deterministic generator
+(completions a function of the prompt and of its occurrence in the batch) gives both runs the
+same completions. This file is also the script the runs execute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+PROMPTS = [{"prompt": p} for p in ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]]
+
+
+def char_sum(completions: list[str], **kwargs: Any) -> list[float]:
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def _fixed_generator() -> type:
+    import torch
+
+    from grpo_plugins.kinds import GenerationOutput, Generator
+
+    class FixedGenerator(Generator):
+        """Test stand-in: completion k of a prompt in a batch is a fixed function of (prompt, k)."""
+
+        def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
+            T, eos, pad = self.sampling.max_completion_length, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+            seen: dict[tuple[int, ...], int] = {}
+            rows, truncated = [], []
+            for ids in prompt_ids:
+                k = seen.get(tuple(ids), 0)
+                seen[tuple(ids)] = k + 1
+                h = zlib.crc32(bytes(str((ids, k)), "ascii"))
+                length = 2 + h % (T - 1)  # 2..T
+                tokens = [10 + (h >> (3 * j)) % 60 for j in range(length)]
+                ends = h % 3 != 0 and length < T
+                if ends:
+                    tokens.append(eos)
+                rows.append(tokens)
+                truncated.append(not ends)
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            return GenerationOutput(completion_ids=ids, completion_mask=mask, is_truncated=torch.tensor(truncated))
+
+    return FixedGenerator
+
+
+def _config(tiny_model: dict, output_dir: Path, per_device: int) -> dict[str, Any]:
+    return {
+        "model": tiny_model,
+        "task": None,
+        "output_dir": str(output_dir),
+        "generator": "fixed_test",
+        "max_steps": 4,  # 2 cycles x 2 updates (num_iterations 2): off-policy second pass
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": 2,
+        "steps_per_generation": 2,
+        "num_iterations": 2,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "scale_rewards": "batch",
+        "loss_type": "dapo",
+        "beta": 0.05,
+        "learning_rate": 1e-2,
+        "report_to": ["jsonl"],
+        "log_completions": True,
+        "seed": 5,
+    }
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tiny_model: dict, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_plugins.metrics import read_metrics
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    (tmp_path / "one.json").write_text(json.dumps(_config(tiny_model, one, per_device=8)))
+    (tmp_path / "two.json").write_text(json.dumps(_config(tiny_model, two, per_device=4)))
+    run = subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "one.json")], env=_env(), capture_output=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+         __file__, str(tmp_path / "two.json")],
+        env=_env(), capture_output=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+    def completions(out: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+    c1, c2 = completions(one), completions(two)
+    assert len(c1) == len(c2) == 2 * 16
+    assert [(r["prompt"], r["completion"]) for r in c1] == [(r["prompt"], r["completion"]) for r in c2]
+    adv1 = torch.tensor([r["advantage"] for r in c1])
+    adv2 = torch.tensor([r["advantage"] for r in c2])
+    assert adv1.abs().sum() > 0
+    torch.testing.assert_close(adv2, adv1, rtol=0, atol=1e-6)
+
+    w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    init = None
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5)
+        init = key
+    assert init is not None
+    m1, m2 = read_metrics(one), read_metrics(two)
+    for r1, r2 in zip(m1, m2, strict=True):
+        for key in ("reward", "reward_std", "loss", "grad_norm", "kl", "num_tokens", "completions/mean_length"):
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+
+
+if __name__ == "__main__":  # a training process: CONFIG.json
+    from grpo_plugins.engine import Engine
+    from grpo_plugins.registry import get_registry
+
+    get_registry().register("generator", "fixed_test", _fixed_generator())
+    config = json.loads(Path(sys.argv[1]).read_text())
+    Engine(config, rewards=[char_sum], dataset=PROMPTS).train()

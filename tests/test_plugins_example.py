@@ -141,3 +141,14 @@ def test_a_tiny_model_trains_with_the_example_reward_loss_type_and_is_strategy(
     assert all(0.0 <= r["rewards/keyword_coverage/mean"] <= 1.0 for r in steps)
     saved = yaml.safe_load((result.output_dir / "config.yaml").read_text())
     assert (saved["loss_type"], saved["importance_sampling_level"]) == ("seq_mean_token_sum", "gspo_token")
+
+
+@pytest.mark.slow
+def test_the_example_packages_own_test_command_passes() -> None:
+    folder = Path(__file__).resolve().parents[1] / "plugins_example"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

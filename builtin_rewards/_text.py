@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
-_ANSWER_LINE = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*\**\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_ANSWER_LINE = re.compile(
+    r"(?:final answer|answer)\s*(?:is\s*:?|:|=)\s*\**\s*(.+?)\s*$|^\s*####\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE
+)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -58,16 +60,17 @@ def boxed_content(text: str) -> str | None:
 
 def extract_answer(text: str, *, last_number: bool = False) -> str | None:
     """The final answer in a completion: the last ``<answer>...</answer>``, else the last
-    ``\\boxed{...}``, else an ``Answer: ...`` line; with ``last_number``, else the last number."""
+    ``\\boxed{...}``, else an ``Answer: ...`` / ``The answer is ...`` / GSM8K ``#### ...`` line;
+    with ``last_number``, else the last number."""
     tags = _ANSWER_TAG.findall(text)
     if tags:
         return tags[-1]
     boxed = boxed_content(text)
     if boxed is not None:
         return boxed
-    lines = _ANSWER_LINE.findall(text)
+    lines = _ANSWER_LINE.findall(text)  # (answer-line group, GSM8K "#### N" group)
     if lines:
-        return lines[-1]
+        return next(g for g in lines[-1] if g)
     if last_number:
         numbers = _NUMBER.findall(text)
         if numbers:

@@ -47,13 +47,16 @@ class RegexMatch:
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
 _FINAL_TAG = re.compile(rf"<answer>\s*{_NUM}\s*</answer>[\s.]*$", re.IGNORECASE)
 _ANY_TAG = re.compile(r"<answer>.*?</answer>", re.IGNORECASE | re.DOTALL)
-_FINAL_LINE = re.compile(rf"(?:final answer|answer)\s*(?:is|:|=)\s*\**\s*{_NUM}\s*\**[\s.]*$", re.IGNORECASE)
+_FINAL_LINE = re.compile(
+    rf"(?:(?:final answer|answer)\s*(?:is\s*:?|:|=)|^\s*####)\s*\**\s*{_NUM}\s*\**[\s.]*$", re.IGNORECASE | re.MULTILINE
+)
 
 
 class AnswerFormat:
     """The answer format of the built-in tasks: 1.0 when the completion ends with
     ``<answer>N</answer>`` (N a number); ``partial_credit`` when it has an ``<answer>`` tag
-    elsewhere or ends with an ``Answer: N`` line; 0.0 otherwise."""
+    elsewhere or ends with an ``Answer: N`` / ``The answer is N`` / ``#### N`` line; 0.0
+    otherwise."""
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -93,8 +93,10 @@ def test_correct_answer_is_lenient_about_form(registry):
         r"so \boxed{12}",
         "twelve",
         "<answer>12.0</answer>",
+        "So 3 + 9 = 12.\nThe answer is: 12",
+        "3 + 9 = 12\n#### 12",  # GSM8K's marker
     ]
-    assert r(["q"] * 8, completions, answer=["12"] * 8) == [1, 1, 1, 1, 0, 1, 0, 1]
+    assert r(["q"] * 10, completions, answer=["12"] * 10) == [1, 1, 1, 1, 0, 1, 0, 1, 1, 1]
     strict = build(registry, "correct_answer", last_number=False)
     assert strict(["q"], ["3 + 9 = 12"], answer=["12"]) == [0.0]
     assert r(["q"], [msgs("<answer>1,200</answer>")], answer=["1200"]) == [1.0]
@@ -151,8 +153,10 @@ def test_answer_format_full_and_partial_credit(registry):
         "Answer: 7",
         "<answer>seven</answer>",
         "7",
+        "3 + 4 = 7\nThe answer is: 7.",
+        "#### 7",
     ]
-    assert r(["q"] * 6, completions) == [1.0, 1.0, 0.5, 0.5, 0.5, 0.0]
+    assert r(["q"] * 8, completions) == [1.0, 1.0, 0.5, 0.5, 0.5, 0.0, 0.5, 0.5]
 
 
 # -- lengths ------------------------------------------------------------------------------------

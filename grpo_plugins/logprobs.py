@@ -81,8 +81,10 @@ def _chunk_logps(
     logz = torch.logsumexp(logits, dim=-1)  # (N,)
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # (N,)
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)  # (N, V)
-        entropy = logz - (probs * logits).sum(-1)  # (N,)
+        # A metric, so no graph: recomputation in backward then keeps only the logits' graph.
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)  # (N, V)
+            entropy = logz - (probs * logits).sum(-1)  # (N,)
     else:
         entropy = torch.zeros_like(logps)
     return logps, entropy
@@ -105,7 +107,7 @@ def chunked_selective_logps(
         head: the LM head (any module mapping H -> V; a LoRA-wrapped head works).
         transform: applied to each chunk's float32 logits (scaling, soft-capping, temperature).
         chunk_size: rows x tokens per chunk.
-        with_entropy: also return the entropy of each position's distribution.
+        with_entropy: also return the (detached) entropy of each position's distribution.
 
     Returns:
         (B, T) float32 log-probs and (B, T) entropy or None.
@@ -184,11 +186,12 @@ def completion_logps(
         logits_to_keep: T, the completion length.
         temperature: the sampling temperature; logits are divided by it as when sampling.
         chunk_size: rows x tokens per chunk of the log-softmax (memory: chunk_size x vocab).
-        with_entropy: also return the entropy of each position's sampling distribution.
+        with_entropy: also return the entropy of each position's sampling distribution
+            (detached: a metric).
 
     Returns:
-        (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model). Gradients flow when called
-        with grad enabled.
+        (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model).
+        Gradients flow through the log-probs when called with grad enabled.
 
     Notes:
         The decoder and LM head are called directly (the full logits are never formed), so

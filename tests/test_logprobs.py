@@ -70,15 +70,10 @@ def test_values_and_gradients_equal_naive_log_softmax_in_float64(model64, chunk_
         torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-10)
 
 
-def test_entropy_gradient_flows(model64) -> None:
+def test_entropy_is_a_detached_metric(model64) -> None:
     ids, mask = _batch()
-    _, entropy = completion_logps(model64, ids, mask, T, chunk_size=4, with_entropy=True)
-    entropy.sum().backward()
-    fast = _grads(model64)
-    _, ref_entropy = _naive(model64, ids, mask, 1.0)
-    ref_entropy.sum().backward()
-    for a, b in zip(fast, _grads(model64)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    logps, entropy = completion_logps(model64, ids, mask, T, chunk_size=4, with_entropy=True)
+    assert logps.requires_grad and entropy is not None and not entropy.requires_grad
 
 
 def test_float32_model_matches_naive(tiny_model: dict) -> None:

@@ -357,7 +357,10 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
             and inspect.getattr_static(type(built), method, None) is vars(base).get(method)
             and _raises_not_implemented(spec)
         ):
-            problems.append(f"{method} is not implemented (it is inherited from {base.__name__}, which raises NotImplementedError)")
+            problems.append(
+                f"{method} is not implemented (it is inherited from {base.__name__}, which raises "
+                "NotImplementedError)"
+            )
             continue
         try:
             actual = inspect.signature(target)

@@ -31,7 +31,9 @@ class KeywordCoverage:
         model_config = ConfigDict(extra="forbid")
 
         keywords: list[str] = Field(default_factory=list, description="Keywords every completion should mention.")
-        column: str | None = Field(None, description="Dataset column with per-sample keyword lists, added to `keywords`.")
+        column: str | None = Field(
+            None, description="Dataset column with per-sample keyword lists, added to `keywords`."
+        )
         case_sensitive: bool = Field(False, description="Match keywords with their exact case.")
 
     def __init__(self, params: Params | None = None) -> None:

@@ -121,32 +121,24 @@ def tiny_model_spec(directory: str | Path, arch: str = "llama", **overrides: Any
     return {"config": str(config_path), "tokenizer": str(tok_dir)}
 
 
-# ============================================================================================
-# Helpers for plugin authors: register a plugin for one test, check a component's contract
-# ============================================================================================
-#
-# * :func:`registered_plugin` / :func:`registered_component` register for a ``with`` block (or a
-#   pytest fixture that yields inside one) and restore the registry afterwards.
-# * :func:`isolated_registry` swaps in a fresh process-wide registry for a block.
-# * :func:`check_component` / :func:`check_plugin` validate components against their kind's
-#   interface (:mod:`grpo_plugins.kinds`) and raise :class:`ComponentContractError` listing
-#   every problem.
-
 TEST_DISTRIBUTION = "<test>"
 
 
 # -- registering for the duration of a test ----------------------------------------------------
 
 
-def _snapshot(registry: Registry) -> tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]:
+_Snapshot = tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]
+
+
+def _snapshot(registry: Registry) -> _Snapshot:
     # The registry has no public snapshot; this reads its private state (components, broken
     # plugins, pluggy registrations). tests/test_testing_helpers.py guards that it keeps working.
     state = registry._state  # loads the installed plugins first
-    components = {kind: {n: list(e) for n, e in by_name.items()} for kind, by_name in state.components.items()}
+    components = {k: {n: list(e) for n, e in by_name.items()} for k, by_name in state.components.items()}
     return components, list(state.broken), {id(p) for p in registry._pm.get_plugins()}
 
 
-def _restore(registry: Registry, snapshot: tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]) -> None:
+def _restore(registry: Registry, snapshot: _Snapshot) -> None:
     components, broken, plugins = snapshot
     state = registry._state
     state.components.clear()

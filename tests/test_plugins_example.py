@@ -127,7 +127,9 @@ def test_a_tiny_model_trains_with_the_example_reward_loss_type_and_is_strategy(
     counting(SeqMeanTokenSum, "reduce")
     counting(GSPOToken, "log_weights")
 
-    result = Engine(example_config(tmp_path, tiny_model)).train()
+    # The loss type by its qualified name, as a user would to pick it over a same-named one.
+    config = example_config(tmp_path, tiny_model, loss_type=f"{DIST}:seq_mean_token_sum")
+    result = Engine(config).train()
 
     assert result.global_step == 3
     # 3 optimizer steps of 1 micro-step each, over 2 generation cycles (2 micro-steps per cycle).
@@ -140,7 +142,7 @@ def test_a_tiny_model_trains_with_the_example_reward_loss_type_and_is_strategy(
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
     assert all(0.0 <= r["rewards/keyword_coverage/mean"] <= 1.0 for r in steps)
     saved = yaml.safe_load((result.output_dir / "config.yaml").read_text())
-    assert (saved["loss_type"], saved["importance_sampling_level"]) == ("seq_mean_token_sum", "gspo_token")
+    assert (saved["loss_type"], saved["importance_sampling_level"]) == (f"{DIST}:seq_mean_token_sum", "gspo_token")
 
 
 @pytest.mark.slow

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from grpo_plugins.config import GRPOConfig, RewardSpec
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.registry import (
@@ -135,12 +137,18 @@ def resolve_reward(name: str, registry: Registry | None = None) -> Component:
     )
 
 
-def _as_spec(entry: str | RewardSpec | dict[str, Any]) -> RewardSpec:
+def _as_spec(entry: str | RewardSpec | dict[str, Any], where: str) -> RewardSpec:
     if isinstance(entry, RewardSpec):
         return entry
     if isinstance(entry, str):
         return RewardSpec(name=entry)
-    return RewardSpec.model_validate(entry)
+    try:
+        return RewardSpec.model_validate(entry)
+    except ValidationError as exc:
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors()
+        )
+        raise RewardConfigError(f"{where}: {detail}") from None
 
 
 def reward_specs_for(config: GRPOConfig, task: Any = None) -> list[RewardSpec]:
@@ -157,7 +165,8 @@ def reward_specs_for(config: GRPOConfig, task: Any = None) -> list[RewardSpec]:
         raise RewardConfigError(
             "the run has no rewards: list some under 'rewards:' or choose a 'task:' with default rewards"
         )
-    specs = [_as_spec(e) for e in entries]
+    where = "rewards" if config.rewards else "task.default_rewards"
+    specs = [_as_spec(e, f"{where}.{i}") for i, e in enumerate(entries)]
     if config.reward_weights is not None:
         if len(config.reward_weights) != len(specs):
             names = ", ".join(s.name for s in specs)
@@ -367,7 +376,7 @@ class RewardRunner:
                 fn, base = entry, getattr(entry, "__name__", type(entry).__name__)
                 spec = RewardSpec(name=base)
             else:
-                spec = _as_spec(entry)  # type: ignore[arg-type]
+                spec = _as_spec(entry, f"rewards.{i}")  # type: ignore[arg-type]
                 try:
                     component = resolve_reward(spec.name, registry)
                     fn = component.build(spec.params)

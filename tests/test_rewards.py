@@ -209,6 +209,10 @@ def test_resolve_errors(registry):
         resolve_reward("json:nothing", registry)
     with pytest.raises(RewardConfigError, match=r"rewards\.1: unknown reward 'nope'"):
         RewardRunner([reward_len, "nope"], registry)
+    with pytest.raises(RewardConfigError, match=r"rewards\.0: on_eror: Extra inputs"):
+        RewardRunner([{"name": "x", "on_eror": "none"}], registry)
+    with pytest.raises(RewardConfigError, match=r"rewards\.0: timeout: Input should be greater than 0"):
+        RewardRunner([{"name": "x", "timeout": -1}], registry)
 
 
 def test_duplicate_names_get_suffixes(registry):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from grpo_plugins.config import GRPOConfig
+from grpo_plugins.config import ConfigError, GRPOConfig, load_config
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.hookspecs import hookimpl
 from grpo_plugins.registry import (
@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "compute_loss": "grpo_plugins.objective",
+    "validate_config": "grpo_plugins.validation",
     "compute_advantages": "grpo_plugins.advantages",
     "Engine": "grpo_plugins.engine",
 }
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from grpo_plugins.advantages import compute_advantages
     from grpo_plugins.engine import Engine
     from grpo_plugins.objective import compute_loss
+    from grpo_plugins.validation import validate_config
 
 
 def __getattr__(name: str) -> Any:
@@ -50,6 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ConfigError",
     "Engine",
     "GRPOConfig",
     "GRPOPluginsError",
@@ -60,10 +63,12 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "importance_sampling",
+    "load_config",
     "loss_type",
     "register",
     "reward",
     "reward_scaling",
     "rollout_correction",
     "task",
+    "validate_config",
 ]

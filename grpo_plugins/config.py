@@ -54,7 +54,8 @@ class FieldError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN/inf in a number field (YAML's .nan/.inf) is never meant: reject it where it is written.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ComponentRef(_Strict):

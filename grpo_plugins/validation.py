@@ -9,21 +9,41 @@ and the batch plan is computed. All problems are collected and raised together a
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import inspect
+import json
 import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from grpo_plugins.batching import BatchPlan, BatchPlanError, plan_from_config
-from grpo_plugins.config import ComponentRef, ConfigError, GRPOConfig, RewardSpec, load_config, validation_errors
+from grpo_plugins.config import (
+    ComponentRef,
+    ConfigError,
+    DatasetSpec,
+    GRPOConfig,
+    RewardSpec,
+    load_config,
+    validation_errors,
+)
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.registry import Component, ComponentParamsError, Registry, get_registry
 
-__all__ = ["COMPONENT_FIELDS", "ConfigCheck", "ConfigWarning", "check_config", "validate_config"]
+__all__ = [
+    "COMPONENT_FIELDS",
+    "ConfigCheck",
+    "ConfigWarning",
+    "check_config",
+    "dataset_columns",
+    "required_arguments",
+    "validate_config",
+]
 
 #: Config fields that name a single component, and the kind each one names.
 COMPONENT_FIELDS: dict[str, str] = {
@@ -106,6 +126,7 @@ def check_config(
     _check_rewards(check)
     _check_model(check)
     _check_data(check)
+    _check_reward_columns(check)
     try:
         check.plan = plan_from_config(config, num_processes)
     except BatchPlanError as exc:
@@ -140,7 +161,13 @@ def _check_params(check: ConfigCheck, component: Component, params: dict[str, An
         component.validate_params(params)
     except ComponentParamsError as exc:
         for sub, msg in exc.errors:
-            check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({component.kind} '{component.name}')"))
+            check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({_origin(component)})"))
+
+
+def _origin(component: Component) -> str:
+    """``reward 'x' from acme-rewards 1.2`` (where a component comes from, for messages)."""
+    version = f" {component.version}" if component.version else ""
+    return f"{component.kind} '{component.name}' from {component.distribution}{version}"
 
 
 def _resolve_reward(name: str, registry: Registry) -> Component:
@@ -219,6 +246,109 @@ def _check_data(check: ConfigCheck) -> None:
             if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
                 where = "dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
                 check.problems.append((where, f"no such file: {name}"))
+
+
+#: Arguments the engine always passes to a reward; any other required argument is a column.
+PROVIDED_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+
+
+def required_arguments(reward: Any) -> list[str]:
+    """The arguments a reward callable (a function, or a class whose instances are called)
+    cannot do without: named parameters without a default, in signature order."""
+    fn = reward.__call__ if inspect.isclass(reward) else reward
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to learn
+        return []
+    if inspect.isclass(reward) and params:
+        params = params[1:]  # self
+    return [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+    ]
+
+
+def dataset_columns(spec: DatasetSpec) -> list[str] | None:
+    """The columns of a local dataset, read cheaply (the first JSON line, the CSV header, the
+    Parquet schema, a saved dataset's metadata); None when they cannot be known without
+    loading it (hub datasets, globs, other formats)."""
+    files = spec.data_files
+    if isinstance(files, dict):
+        files = files.get(spec.split)
+    first = files if isinstance(files, str) else files[0] if isinstance(files, list) and files else None
+    try:
+        if first is None:
+            return _saved_dataset_columns(Path(spec.path).expanduser(), spec.split)
+        path = Path(first).expanduser()
+        if any(c in first for c in "*?[") or not path.is_file():
+            return None
+        if spec.path == "json":
+            return _json_columns(path)
+        if spec.path == "csv":
+            with path.open(newline="", encoding="utf-8") as fh:
+                return next(csv.reader(fh), None)
+        if spec.path == "parquet":
+            import pyarrow.parquet
+
+            return list(pyarrow.parquet.read_schema(path).names)
+    except (OSError, ValueError, ImportError):
+        return None
+    return None
+
+
+def _json_columns(path: Path) -> list[str] | None:
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # not JSON lines: a JSON document
+                return list(row) if isinstance(row, dict) else None
+    if path.stat().st_size > 16 * 2**20:  # a big JSON document: too slow to parse for a check
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return list(data[0])
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        return list(data)
+    return None
+
+
+def _saved_dataset_columns(path: Path, split: str) -> list[str] | None:
+    if (path / "dataset_dict.json").is_file():
+        path = path / split
+    info = path / "dataset_info.json"
+    if not info.is_file():
+        return None
+    features = json.loads(info.read_text(encoding="utf-8")).get("features")
+    return list(features) if isinstance(features, dict) else None
+
+
+def _check_reward_columns(check: ConfigCheck) -> None:
+    """A reward argument without a default must be a dataset column (when the columns are known)."""
+    dataset = check.config.dataset
+    if dataset is None or not check.rewards:
+        return
+    columns = dataset_columns(dataset)
+    if columns is None:
+        return
+    # The prompt column reaches rewards as ``prompts``, not under its own name.
+    available = (set(columns) - {dataset.prompt_column}) | PROVIDED_ARGUMENTS
+    prefix = "task.default_rewards" if check.rewards_from_task else "rewards"
+    for i, (spec, component) in enumerate(check.rewards):
+        missing = [a for a in required_arguments(component.obj) if a not in available]
+        if missing:
+            names = ", ".join(repr(m) for m in missing)
+            check.problems.append(
+                (
+                    f"{prefix}.{i}",
+                    f"{_origin(component)} needs the argument(s) {names}, but dataset '{dataset.path}' "
+                    f"has no such column (its columns: {', '.join(columns)}); add the column, "
+                    "rename it with the reward's argument name, or choose another reward",
+                )
+            )
 
 
 def _is_local_path(name: str) -> bool:

@@ -1,0 +1,316 @@
+"""Failure handling of a training run, in one place.
+
+The engine asks this module three things:
+
+* :meth:`RunGuard.phase` -- a ``with`` block around generation, log-prob passes and training
+  that turns a device out-of-memory error into :class:`DeviceOutOfMemoryError`: which phase,
+  which step, the settings to turn (with their current values) and the last complete
+  checkpoint, which is left as it was.
+* :meth:`RunGuard.check_rollout` and :meth:`RunGuard.check_update` -- NaN/inf in the rewards,
+  the advantages, the loss or the gradients, found before the optimizer step. With
+  ``on_nonfinite: stop`` the run stops with :class:`NonFiniteError` (step number and the
+  component that produced the value); with ``skip`` the optimizer step is skipped. Either way
+  nothing non-finite reaches the weights.
+* :func:`check_prompt_lengths` -- every prompt of the data fits ``max_prompt_length``, checked
+  before the first step rather than when a long prompt is reached hours into the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpo_plugins.config import GRPOConfig, component_ref
+from grpo_plugins.errors import GRPOPluginsError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DeviceOutOfMemoryError",
+    "NonFiniteError",
+    "RunGuard",
+    "check_prompt_lengths",
+    "is_out_of_memory",
+    "out_of_memory_advice",
+]
+
+#: Prompts checked up front by :func:`check_prompt_lengths`; larger datasets are checked as
+#: their prompts are reached.
+PROMPT_CHECK_LIMIT = 50_000
+
+
+class NonFiniteError(GRPOPluginsError):
+    """A NaN/inf reward, advantage, loss or gradient with ``on_nonfinite: stop``.
+
+    Attributes:
+        step: the optimizer step (1-based) the value belongs to.
+        component: what produced it, e.g. ``reward 'acc'`` or ``loss_type 'dapo'``.
+    """
+
+    def __init__(self, message: str, *, step: int, component: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.component = component
+
+
+class DeviceOutOfMemoryError(GRPOPluginsError):
+    """The device ran out of memory; the message names the settings that reduce memory.
+
+    Attributes:
+        phase: ``generation``, ``log-probs`` or ``training``.
+        step: the optimizer step being worked on (1-based).
+        checkpoint: the last complete checkpoint (untouched), or None.
+    """
+
+    def __init__(self, message: str, *, phase: str, step: int, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an accelerator (or host allocator) out-of-memory error."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text or "not enough memory" in text
+    )
+
+
+def out_of_memory_advice(config: GRPOConfig, phase: str) -> list[str]:
+    """The settings that lower peak memory in ``phase``, each with its current value."""
+    c = config
+    batch = f"per_device_train_batch_size ({c.per_device_train_batch_size}; raise gradient_accumulation_steps to keep the batch)"
+    length = f"max_completion_length ({c.max_completion_length})"
+    chunk = f"logprob_chunk_size ({c.logprob_chunk_size})"
+    if phase == "generation":
+        spg = c.steps_per_generation or c.gradient_accumulation_steps
+        return [
+            f"steps_per_generation ({spg}; each process generates steps_per_generation x "
+            f"per_device_train_batch_size = {spg * c.per_device_train_batch_size} completions at once)",
+            length,
+            f"per_device_train_batch_size ({c.per_device_train_batch_size})",
+        ]
+    advice = [batch, length, chunk]
+    if phase == "training" and not c.gradient_checkpointing:
+        advice.append("gradient_checkpointing (set it to true)")
+    if phase == "training" and c.lora is None:
+        advice.append("lora (train an adapter instead of all weights)")
+    return advice
+
+
+def _rows(values: Tensor) -> list[int]:
+    import torch
+
+    return torch.nonzero(values).flatten().tolist()
+
+
+class RunGuard:
+    """Watches one run for device out-of-memory and non-finite values.
+
+    Args:
+        config: the run config (``on_nonfinite``, the memory settings, component names).
+        reward_names: one name per reward column.
+    """
+
+    def __init__(self, config: GRPOConfig, reward_names: Sequence[str]) -> None:
+        self.config = config
+        self.reward_names = list(reward_names)
+        self.last_checkpoint: Path | None = None
+        self.skipped: list[tuple[int, str]] = []  # (step, component) of each skipped step
+
+    # -- out of memory ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        """Run a phase (``generation``, ``log-probs``, ``training``) of optimizer step ``step``;
+        an out-of-memory error inside becomes :class:`DeviceOutOfMemoryError`."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            self._release_memory()
+            raise self._oom_error(name, step, exc) from None
+
+    @staticmethod
+    def _release_memory() -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _oom_error(self, phase: str, step: int, exc: BaseException) -> DeviceOutOfMemoryError:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase))
+        if self.last_checkpoint is not None:
+            saved = (
+                f"The last complete checkpoint, {self.last_checkpoint}, is intact: after changing the "
+                "settings, continue from it with --resume (changing the batch settings changes the "
+                "batch plan, so results will differ from an uninterrupted run)."
+            )
+        else:
+            saved = "No checkpoint was written yet (set save_steps to checkpoint during the run)."
+        message = (
+            f"out of device memory during {phase} of optimizer step {step} ({first_line}).\n"
+            f"Lower the memory this needs with one of:\n{knobs}\n{saved}"
+        )
+        return DeviceOutOfMemoryError(message, phase=phase, step=step, checkpoint=self.last_checkpoint)
+
+    # -- non-finite values --------------------------------------------------------------------
+
+    def check_rollout(self, rewards: Tensor, advantages: Tensor, step: int) -> str | None:
+        """Check a generation batch's gathered rewards (N, K; NaN means "not applicable") and
+        advantages (N,) before any training on it.
+
+        Returns:
+            None when all is finite, else the offending component (the steps trained on this
+            batch are then skipped, see :meth:`check_update`).
+
+        Raises:
+            NonFiniteError: with ``on_nonfinite: stop``.
+        """
+        import torch
+
+        inf = torch.isinf(rewards)  # (N, K)
+        if bool(inf.any()):
+            k = int(inf.any(0).float().argmax())
+            rows = _rows(inf[:, k])
+            return self._found(
+                "reward",
+                f"reward '{self.reward_names[k]}'",
+                step,
+                f"it scored {float(rewards[rows[0], k])} for sample(s) {rows[:5]} (a reward must be a "
+                "finite number or None; a float above 3.4e38 becomes inf in float32)",
+            )
+        bad = ~torch.isfinite(advantages)  # (N,)
+        if bool(bad.any()):
+            scaling = component_ref(self.config.scale_rewards)
+            assert scaling is not None
+            return self._found(
+                "advantage",
+                f"reward scaling '{scaling.name}'",
+                step,
+                f"advantage {float(advantages[bad][0])} for sample(s) {_rows(bad)[:5]}",
+            )
+        return None
+
+    def check_update(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        named_grads: Iterator[tuple[str, Any]] | Sequence[tuple[str, Any]] = (),
+        rollout_problem: str | None = None,
+    ) -> bool:
+        """Decide, before the optimizer step, whether it may go ahead.
+
+        Args:
+            step: the optimizer step (1-based).
+            loss: the step's loss, reduced over micro-steps and processes.
+            grad_norm: the total gradient norm (before clipping), reduced over processes.
+            named_grads: (parameter name, gradient) pairs, read only when ``grad_norm`` is not
+                finite, to name the parameters.
+            rollout_problem: what :meth:`check_rollout` found for this step's batch.
+
+        Returns:
+            True when the step must be skipped (``on_nonfinite: skip``).
+
+        Raises:
+            NonFiniteError: with ``on_nonfinite: stop``.
+        """
+        if rollout_problem is not None:
+            self._record_skip(step, rollout_problem)
+            return True
+        if not math.isfinite(loss):
+            name = component_ref(self.config.loss_type)
+            assert name is not None
+            self._found(
+                "loss",
+                f"loss_type '{name.name}'",
+                step,
+                f"loss {loss} (the rewards and advantages of the batch were finite)",
+            )
+            self._record_skip(step, f"loss_type '{name.name}'")
+            return True
+        if not math.isfinite(grad_norm):
+            params = self._nonfinite_params(named_grads)
+            where = f"parameter(s) {', '.join(params[:3])}{' ...' if len(params) > 3 else ''}" if params else "the model"
+            self._found(
+                "gradient",
+                f"the backward pass ({where})",
+                step,
+                f"grad_norm {grad_norm} while the loss was finite ({loss:.6g})",
+            )
+            self._record_skip(step, f"gradients of {where}")
+            return True
+        return False
+
+    @staticmethod
+    def _nonfinite_params(named_grads: Iterator[tuple[str, Any]] | Sequence[tuple[str, Any]]) -> list[str]:
+        import torch
+
+        return [
+            name for name, grad in named_grads if grad is not None and not bool(torch.isfinite(grad).all())
+        ]
+
+    def _found(self, what: str, component: str, step: int, detail: str) -> str:
+        """Stop (raise) or, with on_nonfinite skip, warn and return the component."""
+        if self.config.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"non-finite {what} at optimizer step {step}, produced by {component}: {detail}. "
+                "Nothing was written into the weights. Fix the component, lower the learning rate, "
+                "or set on_nonfinite: skip to skip such steps.",
+                step=step,
+                component=component,
+            )
+        logger.warning("skipping optimizer step %d: non-finite %s from %s (%s)", step, what, component, detail)
+        return component
+
+    def _record_skip(self, step: int, component: str) -> None:
+        if not self.skipped or self.skipped[-1][0] != step:
+            self.skipped.append((step, component))
+
+
+def check_prompt_lengths(
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    *,
+    max_prompt_length: int | None,
+    truncation: str,
+    limit: int = PROMPT_CHECK_LIMIT,
+) -> None:
+    """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
+    ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
+    from grpo_plugins.data import PromptTooLongError, encode_prompts
+
+    if max_prompt_length is None or truncation != "error":
+        return
+    n = min(len(prompts), limit)
+    too_long: list[tuple[int, int]] = []  # (index, tokens)
+    chunk = 256
+    for start in range(0, n, chunk):
+        batch = [prompts[i] for i in range(start, min(n, start + chunk))]
+        for offset, ids in enumerate(encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")):
+            if len(ids) > max_prompt_length:
+                too_long.append((start + offset, len(ids)))
+    if too_long:
+        shown = ", ".join(f"{i} ({t} tokens)" for i, t in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        longest = max(t for _, t in too_long)
+        raise PromptTooLongError(
+            f"{len(too_long)} prompt(s) of the data are longer than max_prompt_length={max_prompt_length}: "
+            f"rows {shown}{more}. Raise max_prompt_length to {longest}, set prompt_truncation: left "
+            "(keeps the last tokens), or drop those rows"
+        )

@@ -243,9 +243,13 @@ def _check_data(check: ConfigCheck) -> None:
         files = config.dataset.data_files
         listed = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else []
         for i, name in enumerate(listed):
-            if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
-                where = "dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
+            if not _is_local_path(name) or any(c in name for c in "*?["):
+                continue
+            where = "dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
+            if not os.path.exists(name):
                 check.problems.append((where, f"no such file: {name}"))
+            elif _is_blank(name):
+                check.problems.append((where, f"the file is empty, so the run would have no prompts: {name}"))
 
 
 #: Arguments the engine always passes to a reward; any other required argument is a column.
@@ -304,8 +308,10 @@ def _json_columns(path: Path) -> list[str] | None:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    break  # not JSON lines: a JSON document
-                return list(row) if isinstance(row, dict) else None
+                    break  # not JSON lines: a JSON document over several lines
+                if isinstance(row, dict):
+                    return list(row)
+                break
     if path.stat().st_size > 16 * 2**20:  # a big JSON document: too slow to parse for a check
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -349,6 +355,15 @@ def _check_reward_columns(check: ConfigCheck) -> None:
                     "rename it with the reward's argument name, or choose another reward",
                 )
             )
+
+
+def _is_blank(name: str) -> bool:
+    """A data file with nothing but white space (the loaders fail on it with no clear message)."""
+    try:
+        with open(name, "rb") as fh:
+            return not fh.read(1 << 16).strip() and not fh.read(1)
+    except OSError:
+        return False
 
 
 def _is_local_path(name: str) -> bool:

@@ -1,0 +1,274 @@
+"""GRPO step time and memory: this project's Engine vs TRL's GRPOTrainer, same process, same
+model shape and initial weights, tokenizer, prompts, reward and settings (issue 7).
+
+    python bench/bench_grpo.py --tokens 256 --steps 4 --warmup 2
+
+Settings for both: bf16 weights, 8 prompts x 8 generations = 64 completions per step,
+per_device_train_batch_size 64, gradient_accumulation_steps 1 (on-policy: no old-logp pass),
+beta 0 (no reference pass), loss dapo, temperature 1.0, learning rate 1e-6, gradient
+checkpointing on (TRL's default). The random-initialised model almost never emits EOS, so both
+sample the full T tokens (the mean completion length is reported).
+
+Seconds per step are wall-clock times between the ends of consecutive optimizer steps (CUDA
+synchronised), median after the warm-up steps; generate / score / train are each framework's own
+timers (TRL's profiling contexts; the Engine's timing metrics). Writes ``$OUT/grpo_bench.json``
+and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import (  # noqa: E402
+    DEVICE,
+    build_model,
+    gib,
+    length_reward,
+    load_tokenizer,
+    median,
+    out_dir,
+    peak,
+    prompt_texts,
+    reset_peak,
+    sync,
+    write_json,
+)
+
+RESULTS: dict[str, Any] = {"runs": {}, "errors": []}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def dataset() -> Any:
+    import datasets
+
+    return datasets.Dataset.from_dict({"prompt": prompt_texts(256)})
+
+
+def run_ours(T: int, steps: int, warmup: int, generator: dict[str, Any]) -> dict[str, Any]:
+    from grpo_plugins.engine import Engine
+
+    tokenizer = load_tokenizer()
+    model = build_model(seed=0)
+    config = {
+        "task": None,
+        "dtype": "bfloat16" if DEVICE == "cuda" else "float32",
+        "per_device_train_batch_size": 64,
+        "gradient_accumulation_steps": 1,
+        "num_generations": 8,
+        "max_completion_length": T,
+        "max_prompt_length": 512,
+        "temperature": 1.0,
+        "beta": 0.0,
+        "loss_type": "dapo",
+        "learning_rate": 1e-6,
+        "gradient_checkpointing": True,
+        "max_steps": warmup + steps,
+        "logging_steps": 1,
+        "save_steps": 100000,
+        "report_to": [],
+        "generator": generator,
+        "output_dir": tempfile.mkdtemp(prefix="bench_ours_"),
+        "seed": 0,
+    }
+    engine = Engine(config, model=model, tokenizer=tokenizer, rewards=[length_reward], dataset=dataset())
+    ends: list[float] = []
+    original = Engine._optimizer_step
+
+    def timed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        record = original(self, *args, **kwargs)
+        sync()
+        ends.append(time.perf_counter())
+        return record
+
+    engine._optimizer_step = timed_step.__get__(engine)  # type: ignore[method-assign]
+    base = reset_peak()
+    sync()
+    start = time.perf_counter()
+    result = engine.train()
+    history = result.history
+    step_times = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    measured = slice(warmup, None)
+    out = {
+        "step_s": median(step_times[measured]),
+        "step_times": step_times,
+        "generate_s": median([h.get("timing/generate", float("nan")) for h in history][measured]),
+        "score_s": median([h.get("timing/reward", float("nan")) for h in history][measured]),
+        "train_s": median([h.get("timing/train", float("nan")) for h in history][measured]),
+        "engine_step_s": median([h.get("timing/step", float("nan")) for h in history][measured]),
+        "mean_length": median([h.get("completions/mean_length", float("nan")) for h in history][measured]),
+        "peak_gib": gib(peak()),
+        "start_allocated_gib": gib(base),
+        "losses": [h.get("loss") for h in history],
+    }
+    del engine, model, result
+    return out
+
+
+def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
+    import trl.extras.profiling as profiling
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    timings: list[tuple[str, float]] = []
+    original_log = profiling.ProfilingContext._log_metrics
+
+    def record(self: Any, duration: float) -> None:
+        timings.append((self.name, duration))
+        original_log(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record  # type: ignore[method-assign]
+    ends: list[float] = []
+    marks: list[int] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            sync()
+            ends.append(time.perf_counter())
+            marks.append(len(timings))
+
+    tokenizer = load_tokenizer()
+    model = build_model(seed=0)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
+        per_device_train_batch_size=64,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=T,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        learning_rate=1e-6,
+        gradient_checkpointing=True,
+        bf16=DEVICE == "cuda",
+        max_steps=warmup + steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_cpu=DEVICE != "cuda",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[length_reward],
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
+    base = reset_peak()
+    sync()
+    start = time.perf_counter()
+    trainer.train()
+    profiling.ProfilingContext._log_metrics = original_log  # type: ignore[method-assign]
+    step_times = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    per_step: list[dict[str, float]] = []
+    for i, end_mark in enumerate(marks):
+        begin = marks[i - 1] if i else 0
+        totals: dict[str, float] = {}
+        for name, seconds in timings[begin:end_mark]:
+            totals[name] = totals.get(name, 0.0) + seconds
+        per_step.append(totals)
+
+    def pick(key: str) -> float:
+        return median([s.get(key, 0.0) for s in per_step[warmup:]])
+
+    prepare = pick("GRPOTrainer._prepare_inputs")
+    step = median(step_times[warmup:])
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    out = {
+        "step_s": step,
+        "step_times": step_times,
+        "generate_s": pick("GRPOTrainer.transformers.generate"),
+        "score_s": pick("GRPOTrainer._calculate_rewards"),
+        "train_s": step - prepare,
+        "prepare_inputs_s": prepare,
+        "mean_length": median(lengths[warmup:]) if lengths else float("nan"),
+        "peak_gib": gib(peak()),
+        "start_allocated_gib": gib(base),
+        "profiling_names": sorted({n for n, _ in timings}),
+    }
+    del trainer, model
+    return out
+
+
+def table(tokens: list[int]) -> str:
+    lines = [
+        "",
+        f"GRPO step, 64 completions (8 prompts x 8), bf16, batch 64, GA 1 -- device: {RESULTS.get('device')}",
+        "",
+        f"{'T':>5} {'framework':<22} {'step s':>7} {'generate':>9} {'score':>7} {'train':>7} {'tok/s':>8} {'peak GiB':>9} {'len':>6}",
+    ]
+    for T in tokens:
+        runs = RESULTS["runs"].get(str(T), {})
+        for name, r in runs.items():
+            if "error" in r:
+                lines.append(f"{T:>5} {name:<22} ERROR {r['error'][:70]}")
+                continue
+            tps = 64 * r["mean_length"] / r["step_s"]
+            lines.append(
+                f"{T:>5} {name:<22} {r['step_s']:>7.2f} {r['generate_s']:>9.2f} {r['score_s']:>7.3f} "
+                f"{r['train_s']:>7.2f} {tps:>8.0f} {r['peak_gib']:>9.2f} {r['mean_length']:>6.0f}"
+            )
+        if "ours" in runs and "trl" in runs and "error" not in runs["ours"] and "error" not in runs["trl"]:
+            o, t = runs["ours"], runs["trl"]
+            lines.append(
+                f"{T:>5} {'TRL / ours':<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
+                f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {o['peak_gib'] / t['peak_gib']:>8.2f}* "
+            )
+    lines.append("\n* peak memory ratio is ours / TRL (lower is better); time ratios are TRL / ours.")
+    if RESULTS["errors"]:
+        lines.append(f"{len(RESULTS['errors'])} error(s): see grpo_bench.json")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256])
+    parser.add_argument("--steps", type=int, default=4, help="measured steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trl-steps", type=int, default=None, help="measured TRL steps (default --steps)")
+    parser.add_argument("--trl-warmup", type=int, default=1)
+    parser.add_argument("--frameworks", nargs="+", default=["ours", "trl"])
+    parser.add_argument("--generator", default="static", help="the Engine's generator (static, transformers)")
+    parser.add_argument("--generator-params", default="{}", help="JSON params of the generator")
+    args = parser.parse_args()
+    import json
+
+    RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    RESULTS["torch"] = torch.__version__
+    RESULTS["args"] = vars(args)
+    generator = {"name": args.generator, "params": json.loads(args.generator_params)}
+    for T in args.tokens:
+        for name in args.frameworks:
+            log(f"== {name} T={T}")
+            try:
+                if name == "ours":
+                    r = run_ours(T, args.steps, args.warmup, generator)
+                else:
+                    r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup)
+            except Exception as exc:
+                r = {"error": repr(exc)}
+                RESULTS["errors"].append({"run": f"{name} {T}", "error": repr(exc), "trace": traceback.format_exc()})
+                log(traceback.format_exc())
+            RESULTS["runs"].setdefault(str(T), {})[name] = r
+            log(f"{name} T={T}: {r}")
+            write_json(out_dir() / "grpo_bench.json", RESULTS)
+            reset_peak()
+    print(table(args.tokens), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,22 @@ _ITEMS = [
     ("cookie", "cookies"), ("stamp", "stamps"), ("shell", "shells"), ("card", "cards"),
 ]
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
-_TEMPLATES = {
+_SHORT = {
+    "+": [
+        "What is {a} plus {b}?",
+        "What is the sum of {a} and {b}?",
+        "Add {a} and {b}.",
+        "You have {a} {A} and get {b} more. How many {items} do you have?",
+    ],
+    "-": [
+        "What is {a} minus {b}?",
+        "Subtract {b} from {a}.",
+        "You have {a} {A} and give away {b}. How many {items} are left?",
+    ],
+    "*": ["What is {a} times {b}?", "Multiply {a} by {b}.", "You have {a} bags with {b} {B} each. How many {items} is that?"],
+    "/": ["What is {a} divided by {b}?", "Divide {a} by {b}.", "Share {a} {A} equally among {b} friends. How many {items} does each get?"],
+}
+_STORIES = {
     "+": [
         "{name} has {a} {A} and gets {b} more. How many {items} does {name} have now?",
         "There are {a} {A} in a box. {name} puts in {b} more. How many {items} are in the box?",
@@ -56,7 +71,9 @@ class ArithmeticTask:
         max_operand: int = Field(20, ge=1)
         operations: list[Literal["+", "-", "*", "/"]] = Field(default_factory=lambda: ["+"], min_length=1)
         num_operands: int = Field(2, ge=2, le=5, description="More than 2 gives plain expressions, not word problems.")
-        style: Literal["word", "expression"] = Field("word", description="Word problems or bare expressions.")
+        style: Literal["short", "story", "expression"] = Field(
+            "short", description="short word problems ('What is 3 plus 4?'), longer stories, or bare expressions ('What is 3 + 4?')."
+        )
         seed: int | None = Field(None, description="Seed of the generator; None: the run's seed.")
         system_prompt: str = Field(SYSTEM_PROMPT, description="The system message (states the answer format).")
 
@@ -93,7 +110,8 @@ class ArithmeticTask:
                 return f"What is {a} {op} {b}?", answer
             name = rng.choice(_NAMES)
             single, plural = rng.choice(_ITEMS)
-            text = rng.choice(_TEMPLATES[op]).format(
+            templates = _SHORT if p.style == "short" else _STORIES
+            text = rng.choice(templates[op]).format(
                 name=name, a=a, b=b, A=single if a == 1 else plural, B=single if b == 1 else plural, items=plural
             )
             return text, answer

@@ -48,11 +48,22 @@ def test_default_problems_are_easy_sums_with_correct_answers(registry):
         assert row["answer"] == str(a + b)
 
 
-@pytest.mark.parametrize(("op", "check"), [("-", lambda a, b, r: r == a - b >= 0), ("*", lambda a, b, r: r == a * b), ("/", lambda a, b, r: r * b == a)])
+@pytest.mark.parametrize(("op", "check"), [("-", lambda a, b, r: r == max(a, b) - min(a, b)), ("*", lambda a, b, r: r == a * b), ("/", lambda a, b, r: r * b == a)])
 def test_other_operations(registry, op, check):
     for row in task(registry, num_samples=50, operations=[op], max_operand=9).rows(0):
         a, b = _numbers(row["question"])
         assert check(a, b, int(row["answer"])), row
+
+
+@pytest.mark.parametrize("style", ["short", "story", "expression"])
+def test_every_style_states_both_operands(registry, style):
+    rows = task(registry, num_samples=40, style=style, operations=["+", "-", "*", "/"]).rows(0)
+    questions = {row["question"] for row in rows}
+    assert len(questions) > 30  # varied
+    for row in rows:
+        assert len(_numbers(row["question"])) == 2
+    if style == "expression":
+        assert all(re.fullmatch(r"What is \d+ [-+*/] \d+\?", q) for q in questions)
 
 
 def test_expressions_with_more_operands(registry):

@@ -3,9 +3,10 @@
 The engine asks this module three things:
 
 * :meth:`RunGuard.phase` -- a ``with`` block around generation, log-prob passes and training
-  that turns a device out-of-memory error into :class:`DeviceOutOfMemoryError`: which phase,
-  which step, the settings to turn (with their current values) and the last complete
-  checkpoint, which is left as it was.
+  that turns a device out-of-memory error into :class:`DeviceOutOfMemoryError` (which phase,
+  which step, the settings to turn with their current values, and the last complete
+  checkpoint, which is left as it was) and an exception from a plugin's code into
+  :class:`PluginRuntimeError` naming the component and its distribution.
 * :meth:`RunGuard.check_rollout` and :meth:`RunGuard.check_update` -- NaN/inf in the rewards,
   the advantages, the loss or the gradients, found before the optimizer step. With
   ``on_nonfinite: stop`` the run stops with :class:`NonFiniteError` (step number and the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,15 +32,19 @@ from grpo_plugins.errors import GRPOPluginsError
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from grpo_plugins.registry import Component, Registry
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeviceOutOfMemoryError",
     "NonFiniteError",
+    "PluginRuntimeError",
     "RunGuard",
     "check_prompt_lengths",
     "is_out_of_memory",
     "out_of_memory_advice",
+    "raising_component",
 ]
 
 #: Prompts checked up front by :func:`check_prompt_lengths`; larger datasets are checked as
@@ -57,6 +63,18 @@ class NonFiniteError(GRPOPluginsError):
     def __init__(self, message: str, *, step: int, component: str) -> None:
         super().__init__(message)
         self.step = step
+        self.component = component
+
+
+class PluginRuntimeError(GRPOPluginsError):
+    """A plugin component raised while the run was using it.
+
+    Attributes:
+        component: the registry entry of the component (its kind, name and distribution).
+    """
+
+    def __init__(self, message: str, *, component: Any) -> None:
+        super().__init__(message)
         self.component = component
 
 
@@ -110,6 +128,29 @@ def out_of_memory_advice(config: GRPOConfig, phase: str) -> list[str]:
     return advice
 
 
+def raising_component(exc: BaseException, registry: Registry) -> Component | None:
+    """The registered component whose code raised ``exc`` (the innermost one in its
+    traceback), or None when no component's code is on it."""
+    by_module: dict[str, list[Component]] = {}
+    for component in registry.components():
+        module = getattr(component.obj, "__module__", None)
+        if module:
+            by_module.setdefault(module, []).append(component)
+    found: Component | None = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        candidates = by_module.get(frame.f_globals.get("__name__", ""), [])
+        if not candidates:
+            continue
+        qualname = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+
+        def defines(c: Component) -> bool:
+            own = getattr(c.obj, "__qualname__", None)
+            return own is not None and (qualname == own or qualname.startswith(f"{own}."))
+
+        found = next((c for c in candidates if defines(c)), candidates[0])
+    return found
+
+
 def _rows(values: Tensor) -> list[int]:
     import torch
 
@@ -124,8 +165,9 @@ class RunGuard:
         reward_names: one name per reward column.
     """
 
-    def __init__(self, config: GRPOConfig, reward_names: Sequence[str]) -> None:
+    def __init__(self, config: GRPOConfig, reward_names: Sequence[str], registry: Registry | None = None) -> None:
         self.config = config
+        self.registry = registry
         self.reward_names = list(reward_names)
         self.last_checkpoint: Path | None = None
         self.skipped: list[tuple[int, str]] = []  # (step, component) of each skipped step
@@ -134,15 +176,28 @@ class RunGuard:
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int) -> Iterator[None]:
-        """Run a phase (``generation``, ``log-probs``, ``training``) of optimizer step ``step``;
-        an out-of-memory error inside becomes :class:`DeviceOutOfMemoryError`."""
+        """Run a phase (``generation``, ``log-probs``, ``training``) of optimizer step ``step``.
+
+        An out-of-memory error inside becomes :class:`DeviceOutOfMemoryError`; any other
+        exception raised by a plugin component's code becomes :class:`PluginRuntimeError`
+        naming the component and its distribution (the original stays chained as the cause).
+        """
         try:
             yield
+        except GRPOPluginsError:
+            raise
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if is_out_of_memory(exc):
+                self._release_memory()
+                raise self._oom_error(name, step, exc) from None
+            component = raising_component(exc, self.registry) if self.registry is not None else None
+            if component is None:
                 raise
-            self._release_memory()
-            raise self._oom_error(name, step, exc) from None
+            raise PluginRuntimeError(
+                f"{component.origin} raised {type(exc).__name__}: {exc} (during {name} of optimizer "
+                f"step {step}); fix or update that plugin, or choose another {component.kind}",
+                component=component,
+            ) from exc
 
     @staticmethod
     def _release_memory() -> None:

@@ -43,6 +43,10 @@ class DuplicateComponentError(GRPOPluginsError, LookupError):
     """Two distributions register the same name for the same kind."""
 
 
+class ComponentBuildError(GRPOPluginsError):
+    """A component's constructor raised (a bug or an unmet requirement in its plugin)."""
+
+
 class ComponentParamsError(GRPOPluginsError, ValueError):
     """A component's parameters do not validate against its params model."""
 
@@ -68,6 +72,12 @@ class Component:
         return f"{self.distribution}:{self.name}"
 
     @property
+    def origin(self) -> str:
+        """``reward 'x' from acme-rewards 1.2``: what it is and where it comes from."""
+        version = f" {self.version}" if self.version else ""
+        return f"{self.kind} '{self.name}' from {self.distribution}{version}"
+
+    @property
     def params_model(self) -> type[BaseModel] | None:
         return getattr(self.obj, "Params", None) if inspect.isclass(self.obj) else None
 
@@ -83,7 +93,7 @@ class Component:
             if isinstance(params, BaseModel) or params:
                 keys = list(params.model_dump()) if isinstance(params, BaseModel) else list(params)
                 raise ComponentParamsError(
-                    f"{self.kind} '{self.name}' takes no params (got {', '.join(map(str, keys))})",
+                    f"{self.origin} takes no params (got {', '.join(map(str, keys))})",
                     [(str(keys[0]), "this component takes no params")],
                 )
             return None
@@ -101,17 +111,24 @@ class Component:
             validated = model.model_validate(params)
         except ValidationError as exc:
             errors += [e for e in validation_errors(exc, model, params) if e not in errors]
+        except Exception as exc:  # noqa: BLE001 - a params validator that raises something else
+            errors.append(("", f"its params model raised {type(exc).__name__}: {exc}"))
         if errors:
             detail = "; ".join(f"{p}: {m}" if p else m for p, m in errors)
-            raise ComponentParamsError(f"{self.kind} '{self.name}' params: {detail}", errors)
+            raise ComponentParamsError(f"{self.origin} params: {detail}", errors)
         return validated
 
     def build(self, params: dict[str, Any] | BaseModel | None = None) -> Any:
         """The ready-to-use component: ``cls(params)``, ``cls()``, or the object itself."""
         validated = self.validate_params(params)
-        if inspect.isclass(self.obj):
+        if not inspect.isclass(self.obj):
+            return self.obj
+        try:
             return self.obj(validated) if validated is not None else self.obj()
-        return self.obj
+        except GRPOPluginsError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the plugin's constructor raises
+            raise ComponentBuildError(f"building {self.origin} failed: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -161,13 +161,8 @@ def _check_params(check: ConfigCheck, component: Component, params: dict[str, An
         component.validate_params(params)
     except ComponentParamsError as exc:
         for sub, msg in exc.errors:
-            check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({_origin(component)})"))
+            check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({component.origin})"))
 
-
-def _origin(component: Component) -> str:
-    """``reward 'x' from acme-rewards 1.2`` (where a component comes from, for messages)."""
-    version = f" {component.version}" if component.version else ""
-    return f"{component.kind} '{component.name}' from {component.distribution}{version}"
 
 
 def _resolve_reward(name: str, registry: Registry) -> Component:
@@ -350,7 +345,7 @@ def _check_reward_columns(check: ConfigCheck) -> None:
             check.problems.append(
                 (
                     f"{prefix}.{i}",
-                    f"{_origin(component)} needs the argument(s) {names}, but dataset '{dataset.path}' "
+                    f"{component.origin} needs the argument(s) {names}, but dataset '{dataset.path}' "
                     f"has no such column (its columns: {', '.join(columns)}); add the column, "
                     "rename it with the reward's argument name, or choose another reward",
                 )

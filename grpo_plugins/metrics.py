@@ -93,15 +93,26 @@ def _finite(value: Any) -> float:
     return v if math.isfinite(v) else 0.0
 
 
+#: Metrics that are states, not per-step amounts: a logging window reports their last value.
+LAST_VALUE = ("num_tokens", "learning_rate", "peak_memory_gb")
+
+
 def average(records: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of each key over ``records`` (keys missing from some records average the others)."""
+    """The metrics of a logging window: the mean of each key over ``records`` (keys missing from
+    some records average the others), the last value of the :data:`LAST_VALUE` keys."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for rec in records:
         for key, value in rec.items():
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
-    return {k: sums[k] / counts[k] for k in sums}
+    out = {k: sums[k] / counts[k] for k in sums}
+    for key in LAST_VALUE:
+        for rec in reversed(records):
+            if key in rec:
+                out[key] = float(rec[key])
+                break
+    return out
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,99 @@
+"""The engine's metric helpers and checkpoint bookkeeping (no model, milliseconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_plugins.checkpoint import CheckpointError, STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
+from grpo_plugins.engine import PromptStream, _trim, _windows
+from grpo_plugins.batching import make_plan
+from grpo_plugins.metrics import average, completion_metrics, read_metrics, reward_metrics, truncate_jsonl
+
+
+def test_reward_metrics_follow_trl() -> None:
+    # Two groups of 2; reward b is None (NaN) for the first row.
+    rewards = torch.tensor([[1.0, float("nan")], [3.0, 1.0], [2.0, 2.0], [2.0, 2.0]])
+    m = reward_metrics(rewards, ["a", "b"], [1.0, 0.5], num_generations=2)
+    combined = [1.0, 3.5, 3.0, 3.0]
+    assert m["reward"] == pytest.approx(sum(combined) / 4)
+    assert m["reward_std"] == pytest.approx((math.sqrt(((1 - 2.25) ** 2 + (3.5 - 2.25) ** 2) / 1) + 0.0) / 2)
+    assert m["frac_reward_zero_std"] == 0.5
+    assert m["rewards/a/mean"] == 2.0
+    assert m["rewards/b/mean"] == pytest.approx(5 / 3)  # the None is skipped, not counted as 0
+    assert m["rewards/b/std"] == pytest.approx(torch.tensor([1.0, 2.0, 2.0]).std().item())
+
+
+def test_reward_metrics_never_nan() -> None:
+    m = reward_metrics(torch.full((4, 1), float("nan")), ["a"], [1.0], num_generations=2)
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_completion_metrics() -> None:
+    m = completion_metrics(torch.tensor([4, 8, 2, 8]), torch.tensor([False, True, False, True]))
+    assert m == {
+        "completions/mean_length": 5.5,
+        "completions/min_length": 2.0,
+        "completions/max_length": 8.0,
+        "completions/clipped_ratio": 0.5,
+        "completions/mean_terminated_length": 3.0,
+    }
+    all_cut = completion_metrics(torch.tensor([8, 8]), torch.tensor([True, True]))
+    assert all_cut["completions/mean_terminated_length"] == 0.0
+
+
+def test_average_keeps_last_value_of_states() -> None:
+    window = [{"loss": 1.0, "num_tokens": 10.0, "learning_rate": 0.1}, {"loss": 3.0, "num_tokens": 25.0, "learning_rate": 0.05}]
+    assert average(window) == {"loss": 2.0, "num_tokens": 25.0, "learning_rate": 0.05}
+
+
+def test_truncate_jsonl_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    truncate_jsonl(path, 3)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_half_written_checkpoints_are_never_picked(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        d = root / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        if complete:
+            (d / STATE_FILE).write_text("{}")
+    (root / ".tmp-checkpoint-8").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+    assert latest_checkpoint(tmp_path) == root / "checkpoint-4"
+    assert resolve_resume(True, tmp_path) == root / "checkpoint-4"
+    assert resolve_resume(str(root / "checkpoint-2"), tmp_path / "elsewhere") == root / "checkpoint-2"
+    assert resolve_resume(None, tmp_path) is None
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        resolve_resume(True, tmp_path / "empty")
+
+
+def test_prompt_stream_is_a_seeded_permutation_per_epoch() -> None:
+    stream = PromptStream(5, seed=1)
+    first = [stream.row(i) for i in range(5)]
+    second = [stream.row(i) for i in range(5, 10)]
+    assert sorted(first) == sorted(second) == list(range(5))
+    assert first != second  # a fresh order each epoch
+    assert [PromptStream(5, seed=1).row(i) for i in range(10)] == first + second
+
+
+def test_windows_group_micro_steps_by_optimizer_update() -> None:
+    plan = make_plan(3, 2, 3, steps_per_generation=4)
+    assert _windows(plan.cycle(0)) == [0, 0, 1, 1]
+
+
+def test_trim_drops_all_padding_columns() -> None:
+    # (B=2, P=3 + T=4): prompt padding in column 0 for both rows; completions of length 2 and 1.
+    ids = torch.arange(14).view(2, 7)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])
+    out_ids, out_mask, t = _trim(ids, mask, 4)
+    assert t == 2
+    assert out_ids.tolist() == [[1, 2, 3, 4], [8, 9, 10, 11]]
+    assert out_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]

@@ -18,7 +18,7 @@ import pytest
 
 import grpo_plugins
 from grpo_plugins.config import GRPOConfig, RewardSpec
-from grpo_plugins.registry import Registry, UnknownComponentError
+from grpo_plugins.registry import UnknownComponentError
 from grpo_plugins.rewards import (
     RewardConfigError,
     RewardError,

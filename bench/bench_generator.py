@@ -92,7 +92,7 @@ def correctness(model: Any, tokenizer: Any, prompts: list[list[int]], T: int) ->
         "width": width,
     }
     log(f"greedy: {out['greedy_eager_graph_vs_generate']}")
-    for variant, params in {"compile_graph": {}, "eager_graph": {"compile": False}}.items():
+    for variant, params in {"compile_graph": {"compile": True}, "eager_graph": {"compile": False}}.items():
         sampled = make_generator(model, tokenizer, T, params)
         a = sampled.generate(prompts)
         b = sampled.generate(prompts)
@@ -121,7 +121,7 @@ def correctness(model: Any, tokenizer: Any, prompts: list[list[int]], T: int) ->
 def generation_timing(model: Any, tokenizer: Any, prompts: list[list[int]], T: int, repeats: int, hf: bool) -> None:
     rows: dict[str, Any] = RESULTS.setdefault("generation", {}).setdefault(str(T), {})
     variants: dict[str, tuple[str, dict]] = {
-        "static compile+graph": ("static", {}),
+        "static compile+graph": ("static", {"compile": True}),
         "static eager+graph": ("static", {"compile": False}),
     }
     if hf:
@@ -230,6 +230,7 @@ def main() -> None:
     parser.add_argument("--hf-max-tokens", type=int, default=1024)
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-logprobs", action="store_true")
+    parser.add_argument("--skip-generation", action="store_true")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -240,7 +241,7 @@ def main() -> None:
     RESULTS["prompt_lengths"] = sorted({len(p) for p in prompts})
     if not args.skip_correctness:
         correctness(model, tokenizer, prompts, args.tokens[0])
-    for T in args.tokens:
+    for T in [] if args.skip_generation else args.tokens:
         generation_timing(model, tokenizer, prompts, T, args.repeats, hf=not args.no_hf and T <= args.hf_max_tokens)
     if not args.skip_logprobs:
         for T in args.tokens:

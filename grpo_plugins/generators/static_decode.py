@@ -154,6 +154,12 @@ def sample_tokens(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSe
 # -- one transformer pass ------------------------------------------------------------------------
 
 
+def _embed(parts: DecoderParts, ids: torch.Tensor) -> torch.Tensor:
+    # ``forward`` skips module hooks: gradient checkpointing registers one on the embedding that
+    # calls requires_grad_(), which torch.compile cannot trace and generation does not need.
+    return parts.embed.forward(ids)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -180,14 +186,14 @@ def prefill(
     input_ids: torch.Tensor,
     key_valid: torch.Tensor,
     positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
 ) -> torch.Tensor:
     """Run the left-padded prompts ``input_ids`` (B, P) through the model, write their keys and
-    values into ``k_cache``/``v_cache`` (L, B, Hkv, S, D) at positions [0, P), and return the
-    float32 logits of the last position (B, V)."""
+    values into the per-layer caches ``k_cache``/``v_cache`` (each (B, Hkv, S, D)) at positions
+    [0, P), and return the float32 logits of the last position (B, V)."""
     B, P = input_ids.shape
-    h = parts.embed(input_ids)  # (B, P, H)
+    h = _embed(parts, input_ids)  # (B, P, H)
     cos, sin = parts.rotary(h, positions)  # (B, P, D)
     causal = torch.ones(P, P, dtype=torch.bool, device=h.device).tril()
     # Padding queries may see only themselves: never a fully masked row (NaN), never read later.
@@ -197,8 +203,8 @@ def prefill(
     for i, layer in enumerate(parts.layers):
         x = layer.input_layernorm(h)
         q, k, v = _qkv(layer, x, cos, sin, parts)
-        k_cache[i, :, :, :P] = k
-        v_cache[i, :, :, :P] = v
+        k_cache[i][:, :, :P] = k
+        v_cache[i][:, :, :P] = v
         try:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=parts.scaling, enable_gqa=groups > 1)
         except TypeError:  # torch < 2.5 has no enable_gqa; the prompt is short, so expand here
@@ -215,8 +221,10 @@ class DecodeState:
     """The fixed-address buffers one decode graph reads and writes (B rows, S cache positions,
     T completion tokens)."""
 
-    k_cache: torch.Tensor  # (L, B, Hkv, S, D)
-    v_cache: torch.Tensor  # (L, B, Hkv, S, D)
+    # One tensor per layer, not one (L, ...) tensor: the compiler updates a whole graph input in
+    # place, but a write into a view of one would copy the entire cache every step.
+    k_cache: list[torch.Tensor]  # L x (B, Hkv, S, D)
+    v_cache: list[torch.Tensor]  # L x (B, Hkv, S, D)
     key_valid: torch.Tensor  # (B, S) bool: not a prompt pad
     slots: torch.Tensor  # (S,) long: 0..S-1
     token: torch.Tensor  # (B,) long: the last sampled token, fed to the next step
@@ -235,8 +243,8 @@ class DecodeState:
         long = dict(dtype=torch.long, device=device)
         return DecodeState(
             # zeros, not empty: masked slots still enter the matmul with weight 0, and 0 * NaN = NaN.
-            k_cache=torch.zeros(L, B, Hkv, S, D, dtype=dtype, device=device),
-            v_cache=torch.zeros(L, B, Hkv, S, D, dtype=dtype, device=device),
+            k_cache=[torch.zeros(B, Hkv, S, D, dtype=dtype, device=device) for _ in range(L)],
+            v_cache=[torch.zeros(B, Hkv, S, D, dtype=dtype, device=device) for _ in range(L)],
             key_valid=torch.zeros(B, S, dtype=torch.bool, device=device),
             slots=torch.arange(S, **long),
             token=torch.zeros(B, **long),
@@ -256,7 +264,7 @@ def decode_step(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_i
     feed ``st.token`` at cache index ``st.cur``, sample the next token, record it at column
     ``st.step``, and advance the counters."""
     B = st.token.shape[0]
-    h = parts.embed(st.token[:, None])  # (B, 1, H)
+    h = _embed(parts, st.token[:, None])  # (B, 1, H)
     cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
     valid = st.key_valid & (st.slots <= st.cur)  # (B, S)
     bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))

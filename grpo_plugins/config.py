@@ -485,6 +485,28 @@ def _model_at(root: type[BaseModel], path: list[Any], tag: str | None) -> type[B
     return candidates[0] if len(candidates) == 1 else None
 
 
+def accepted_keys(model: type[BaseModel]) -> dict[str, str]:
+    """The keys a mapping for ``model`` may contain -> the field each one sets (a field with an
+    alias is written as its alias, and also by its name when the model allows it)."""
+    by_name = bool(model.model_config.get("populate_by_name") or model.model_config.get("validate_by_name"))
+    keys: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        keys[info.alias or name] = name
+        if info.alias is None or by_name:
+            keys[name] = name
+    return keys
+
+
+def model_key_message(key: str, model: type[BaseModel]) -> str:
+    """The message for ``key`` not accepted by ``model`` (a field written by its name although
+    it must be written as its alias gets that alias)."""
+    keys = accepted_keys(model)
+    aliases = {name: alias for alias, name in keys.items() if alias != name}
+    if key in aliases and key not in keys:
+        return f"unknown key '{key}'; write it as '{aliases[key]}'"
+    return unknown_key_message(key, keys)
+
+
 def unknown_key_message(key: str, allowed: Iterable[str]) -> str:
     """``unknown key 'x'; did you mean 'y'?`` (listing the allowed keys when they are few)."""
     allowed = sorted(allowed)
@@ -563,10 +585,10 @@ def _one_error(root: type[BaseModel], path: list[Any], tag: str | None, err: Any
         return cause.field, str(cause)
     if err["type"] == "extra_forbidden":
         owner = _model_at(root, path[:-1], tag)
-        allowed = list(owner.model_fields) if owner is not None else []
+        key = str(path[-1])
         if owner is GRPOConfig:
-            allowed += list(CONFIG_ALIASES)
-        return _dotted(path), unknown_key_message(str(path[-1]), allowed) if allowed else f"unknown key '{path[-1]}'"
+            return _dotted(path), unknown_key_message(key, [*owner.model_fields, *CONFIG_ALIASES])
+        return _dotted(path), model_key_message(key, owner) if owner is not None else f"unknown key '{key}'"
     if err["type"] == "missing":
         msg = "required but missing"
     for prefix in ("Value error, ", "Assertion failed, "):

@@ -23,7 +23,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from grpo_plugins import hookspecs
-from grpo_plugins.config import unknown_key_message, validation_errors
+from grpo_plugins.config import accepted_keys, model_key_message, validation_errors
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import KINDS
 
@@ -103,14 +103,13 @@ class Component:
             params = params.model_dump()
         errors: list[tuple[str, str]] = []
         if model.model_config.get("extra") != "allow":  # unknown keys are typos, whatever the model says
-            allowed = set(model.model_fields) | {
-                f.alias for f in model.model_fields.values() if f.alias is not None
-            }
-            errors += [(str(k), unknown_key_message(str(k), allowed)) for k in params if k not in allowed]
+            allowed = accepted_keys(model)
+            errors += [(str(k), model_key_message(str(k), model)) for k in params if k not in allowed]
         try:
             validated = model.model_validate(params)
         except ValidationError as exc:
-            errors += [e for e in validation_errors(exc, model, params) if e not in errors]
+            reported = {p for p, _ in errors}
+            errors += [e for e in validation_errors(exc, model, params) if e[0] not in reported]
         except Exception as exc:  # noqa: BLE001 - a params validator that raises something else
             errors.append(("", f"its params model raised {type(exc).__name__}: {exc}"))
         if errors:

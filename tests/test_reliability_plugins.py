@@ -147,6 +147,28 @@ def test_a_params_model_that_rejects_the_config_names_the_distribution(registry:
     assert component.build({"max_len": 3}).params.max_len == 3
 
 
+def test_a_field_written_by_name_instead_of_its_alias_is_told_the_alias() -> None:
+    from pydantic import BaseModel, Field
+
+    class Params(BaseModel):
+        json_schema: dict = Field(default_factory=dict, alias="schema")
+
+    class WithAlias:
+        Params = Params
+
+        def __init__(self, params: Params) -> None:
+            self.params = params
+
+    registry = Registry(entry_points=False)
+    registry.register("reward", "aliased", WithAlias)
+    with pytest.raises(ComponentParamsError) as info:
+        registry.build("reward", "aliased", {"json_schema": {}})
+    assert info.value.errors == [("json_schema", "unknown key 'json_schema'; write it as 'schema'")]
+    with pytest.raises(ComponentParamsError) as info:
+        registry.build("reward", "aliased", {"shema": {}})
+    assert info.value.errors == [("shema", "unknown key 'shema'; did you mean 'schema'?")]  # reported once
+
+
 def test_a_constructor_that_raises_names_the_distribution(registry: Registry) -> None:
     with pytest.raises(ComponentBuildError, match="building reward 'fragile_reward' from strict-params 1.5 failed: OSError: model file missing"):
         registry.build("reward", "fragile_reward")

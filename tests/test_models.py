@@ -185,6 +185,102 @@ def test_converted_gguf_checkpoint_is_reused(tmp_path: Path, monkeypatch) -> Non
     assert convert_gguf(gguf) == target  # no conversion attempted: the fake file is not read
 
 
+def _write_tiny_gguf(path: Path, hidden: int = 16, ff: int = 32, heads: int = 2, kv: int = 1) -> Path:
+    """A one-layer float32 Llama GGUF with a byte-level BPE tokenizer and a chat template."""
+    import gguf
+    import numpy as np
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, "he", "ll"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["h e", "l l"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    head_dim = hidden // heads
+    writer.add_tensor("token_embd.weight", rand(len(tokens), hidden))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", rand(hidden, hidden))
+    writer.add_tensor("blk.0.attn_k.weight", rand(kv * head_dim, hidden))
+    writer.add_tensor("blk.0.attn_v.weight", rand(kv * head_dim, hidden))
+    writer.add_tensor("blk.0.attn_output.weight", rand(hidden, hidden))
+    writer.add_tensor("blk.0.ffn_gate.weight", rand(ff, hidden))
+    writer.add_tensor("blk.0.ffn_up.weight", rand(ff, hidden))
+    writer.add_tensor("blk.0.ffn_down.weight", rand(hidden, ff))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_file_is_converted_once_into_a_trainable_cached_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("GRPO_PLUGINS_CACHE", str(tmp_path / "cache"))
+    gguf_path = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    model, tokenizer = load_model(str(gguf_path), dtype="float32", lora={"r": 2})
+
+    target = models._gguf_cache_dir(gguf_path)
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temporary left
+    assert "quantization_config" not in json.loads((target / "config.json").read_text())
+    base = model.get_base_model()
+    assert getattr(base, "hf_quantizer", None) is None
+    assert getattr(base.config, "quantization_config", None) is None
+
+    # Same weights as transformers' own (quantized-flagged) GGUF load.
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf").state_dict()
+    ours = model.get_base_model().state_dict()
+    for name, tensor in reference.items():
+        key = name.replace(".weight", ".base_layer.weight") if name.split(".")[-2].endswith("proj") else name
+        torch.testing.assert_close(ours[key], tensor, msg=name)
+    assert base.get_output_embeddings().weight.data_ptr() == base.get_input_embeddings().weight.data_ptr()
+
+    # Tokenizer and chat template come from the same file.
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+    ids = torch.tensor([tokenizer("hello")["input_ids"]])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+    # The second load reads the cache and does not convert again.
+    stamp = (target / "config.json").stat().st_mtime_ns
+    assert convert_gguf(gguf_path) == target and (target / "config.json").stat().st_mtime_ns == stamp
+
+
 # -- the embedded default (real weights) --------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel, Field
 
 from grpo_plugins.registry import ComponentBuildError, ComponentParamsError, Registry
 from plugin_dists import make_distribution, reward_plugin
@@ -147,18 +148,18 @@ def test_a_params_model_that_rejects_the_config_names_the_distribution(registry:
     assert component.build({"max_len": 3}).params.max_len == 3
 
 
+class AliasParams(BaseModel):
+    json_schema: dict = Field(default_factory=dict, alias="schema")
+
+
+class WithAlias:
+    Params = AliasParams
+
+    def __init__(self, params: AliasParams) -> None:
+        self.params = params
+
+
 def test_a_field_written_by_name_instead_of_its_alias_is_told_the_alias() -> None:
-    from pydantic import BaseModel, Field
-
-    class Params(BaseModel):
-        json_schema: dict = Field(default_factory=dict, alias="schema")
-
-    class WithAlias:
-        Params = Params
-
-        def __init__(self, params: Params) -> None:
-            self.params = params
-
     registry = Registry(entry_points=False)
     registry.register("reward", "aliased", WithAlias)
     with pytest.raises(ComponentParamsError) as info:

@@ -106,8 +106,11 @@ def convert_gguf(gguf_path: str | Path) -> Path:
 
     logger.info("converting %s to a trainable checkpoint in %s (once)", gguf_path, target)
     folder, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    except (OSError, ValueError, NotImplementedError, KeyError) as exc:
+        raise ModelLoadError(f"transformers cannot read the GGUF file '{gguf_path}': {exc}") from exc
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
@@ -147,8 +150,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
 
 
 def _tied_keys(model: Any) -> set[str]:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return set(tied) if not isinstance(tied, dict) else set(tied)
+    return set(getattr(model, "_tied_weights_keys", None) or ())  # a list or a dict by version
 
 
 # -- dtype ----------------------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def _resolve_source(name: str) -> tuple[str, bool]:
 def _from_pretrained(loader: Any, source: str, local: bool, what: str, **kwargs: Any) -> Any:
     try:
         return loader.from_pretrained(source, local_files_only=True, **kwargs)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         if local:
             raise ModelLoadError(f"cannot load the {what} from '{source}': {exc}") from exc
         raise ModelLoadError(

@@ -199,8 +199,11 @@ def completion_logps(
         under ``accelerator.autocast()`` for mixed precision. A DDP/FSDP wrapper's own forward
         does run, with the computation substituted for the inner model's forward.
     """
-    if logits_to_keep < 1:
-        raise ValueError("logits_to_keep must be at least 1")
+    if not 1 <= logits_to_keep < input_ids.shape[1]:
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep} must be in [1, {input_ids.shape[1]}): at least one "
+            "prompt token must precede the completion"
+        )
     args = (logits_to_keep, temperature, chunk_size, with_entropy)
     if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
         return _completion_logps_unwrapped(model, input_ids, attention_mask, *args)

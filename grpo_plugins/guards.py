@@ -348,18 +348,21 @@ def check_prompt_lengths(
 ) -> None:
     """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
     ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
-    from grpo_plugins.data import PromptTooLongError, encode_prompts
+    from grpo_plugins.data import DataError, PromptTooLongError, encode_prompts
 
     if max_prompt_length is None or truncation != "error":
         return
     n = min(len(prompts), limit)
-    too_long: list[tuple[int, int]] = []  # (index, tokens)
+    too_long: list[tuple[int, int]] = []  # (row, tokens)
     chunk = 256
     for start in range(0, n, chunk):
-        batch = [prompts[i] for i in range(start, min(n, start + chunk))]
-        for offset, ids in enumerate(encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")):
-            if len(ids) > max_prompt_length:
-                too_long.append((start + offset, len(ids)))
+        batch = list(prompts[start : min(n, start + chunk)])  # one slice: fast on a datasets Column
+        try:
+            encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
+        except DataError:
+            _raise_with_row(tokenizer, batch, start)
+            raise
+        too_long += [(start + i, len(ids)) for i, ids in enumerate(encoded) if len(ids) > max_prompt_length]
     if too_long:
         shown = ", ".join(f"{i} ({t} tokens)" for i, t in too_long[:5])
         more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
@@ -369,3 +372,14 @@ def check_prompt_lengths(
             f"rows {shown}{more}. Raise max_prompt_length to {longest}, set prompt_truncation: left "
             "(keeps the last tokens), or drop those rows"
         )
+
+
+def _raise_with_row(tokenizer: Any, batch: list[Any], start: int) -> None:
+    """Re-raise the DataError of the prompt in ``batch`` that cannot be encoded, with its row."""
+    from grpo_plugins.data import DataError, encode_prompts
+
+    for i, prompt in enumerate(batch):
+        try:
+            encode_prompts(tokenizer, [prompt], max_prompt_length=None, truncation="error")
+        except DataError as exc:
+            raise type(exc)(str(exc).replace("prompt 0 ", f"prompt {start + i} ", 1)) from None

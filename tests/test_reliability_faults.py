@@ -289,3 +289,43 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     _fake_checkpoint(tmp_path, "checkpoint-11", '{"global_step": 1')  # marker cut short
     assert latest_checkpoint(tmp_path) == good
     assert resolve_resume(True, tmp_path) == good
+
+
+# -- the guard on its own ----------------------------------------------------------------------------
+
+
+def test_phase_turns_oom_into_advice_and_leaves_other_errors_alone(tmp_path: Path) -> None:
+    from grpo_plugins.config import GRPOConfig
+
+    guard = RunGuard(GRPOConfig(gradient_checkpointing=True, lora={"r": 4}), ["acc"])
+    guard.last_checkpoint = tmp_path / "checkpoint-7"
+    with pytest.raises(DeviceOutOfMemoryError) as info:
+        with guard.phase("training", 8):
+            raise _oom()
+    message = str(info.value)
+    assert "training of optimizer step 8" in message and str(tmp_path / "checkpoint-7") in message
+    assert "gradient_checkpointing" not in message and "lora (" not in message  # already on
+    with pytest.raises(DeviceOutOfMemoryError, match="during log-probs"):
+        with guard.phase("log-probs", 8):
+            raise RuntimeError("MPS backend out of memory (MPS allocated: 1 GiB)")
+    with pytest.raises(KeyError):  # not memory, not a plugin's code: unchanged
+        with guard.phase("training", 8):
+            raise KeyError("x")
+
+
+def test_prompt_lengths_are_checked_for_every_row(tmp_path: Path) -> None:
+    from grpo_plugins.data import DataError, PromptTooLongError
+    from grpo_plugins.testing import build_tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    from grpo_plugins.guards import check_prompt_lengths
+
+    tok = AutoTokenizer.from_pretrained(str(build_tiny_tokenizer(tmp_path / "tok")))
+    prompts = ["ab"] * 600 + ["x" * 30] + [[{"role": "user", "content": "y" * 50}]]
+    with pytest.raises(PromptTooLongError) as info:
+        check_prompt_lengths(tok, prompts, max_prompt_length=20, truncation="error")
+    assert "2 prompt(s)" in str(info.value) and "rows 600 (30 tokens), 601" in str(info.value)
+    check_prompt_lengths(tok, prompts, max_prompt_length=20, truncation="left")  # truncated later: fine
+    check_prompt_lengths(tok, prompts, max_prompt_length=20, truncation="error", limit=600)  # only the first 600
+    with pytest.raises(DataError, match="prompt 300 is empty"):
+        check_prompt_lengths(tok, ["ab"] * 300 + [""], max_prompt_length=20, truncation="error")

@@ -353,3 +353,32 @@ def test_python_path_applies_lora_to_a_plain_model(tiny_model: dict, tmp_path: P
     result = engine.train()
     assert hasattr(engine.unwrapped, "peft_config")
     assert (result.checkpoint / "model" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_cli_reward_failure_exits_nonzero_after_saving(tiny_model: dict, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "failing_rewards.py").write_text(
+        "calls = []\n"
+        "def flaky(completions, **kwargs):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        raise RuntimeError('scorer crashed')\n"
+        "    return [float(len(c) % 3) for c in completions]\n"
+    )
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    cfg = _config(tiny_model, tmp_path, max_steps=6, dataset={"path": "json", "data_files": str(tmp_path / "train.jsonl")},
+                  rewards=["failing_rewards:flaky"])
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-m", "grpo_plugins.cli", "train", str(tmp_path / "run.yaml")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "flaky" in run.stderr and "scorer crashed" in run.stderr and "Traceback" not in run.stderr
+    saved = tmp_path / "out" / "checkpoints" / "checkpoint-2"
+    assert (saved / "trainer_state.json").is_file()  # the first cycle's 2 steps were saved

@@ -31,6 +31,7 @@ from grpo_plugins.kinds import SamplingSettings  # noqa: E402
 from grpo_plugins.registry import get_registry  # noqa: E402
 
 RESULTS: dict[str, Any] = {"errors": []}
+WANTED: set[str] = {"compile", "eager", "hf"}  # --variants
 
 
 def log(msg: str) -> None:
@@ -126,6 +127,7 @@ def generation_timing(model: Any, tokenizer: Any, prompts: list[list[int]], T: i
     }
     if hf:
         variants["transformers (model.generate)"] = ("transformers", None)
+    variants = {k: v for k, v in variants.items() if k.split()[1].split("+")[0] in WANTED or "hf" in WANTED and v[0] == "transformers"}
     for label, (name, params) in variants.items():
         try:
             gen = make_generator(model, tokenizer, T, params, name=name)
@@ -231,7 +233,10 @@ def main() -> None:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--skip-logprobs", action="store_true")
     parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=["compile", "eager", "hf"], help="compile, eager, hf")
     args = parser.parse_args()
+    WANTED.clear()
+    WANTED.update(args.variants)
     torch.backends.cuda.matmul.allow_tf32 = True
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS["torch"] = torch.__version__

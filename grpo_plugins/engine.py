@@ -405,11 +405,12 @@ class Engine:
         final: Path | None = None
 
         # Counters since the previous optimizer step, for the timing metrics.
-        self._pending = {"generate": 0.0, "reward": 0.0, "tokens": 0.0}
+        self._pending = {"generate": 0.0, "reward": 0.0, "rollout": 0.0, "tokens": 0.0}
         while self.global_step < self.total_steps:
             steps = plan.cycle(cycle, acc.process_index)
             if rollout is None:
                 rng_at_cycle_start = capture_rng()
+                t0 = time.perf_counter()
                 try:
                     rollout = self._rollout(cycle)
                 except _RewardFailed as failed:
@@ -418,6 +419,7 @@ class Engine:
                     raise failed.error from None
                 self._pending["generate"] += rollout.generate_seconds
                 self._pending["reward"] += rollout.reward_seconds
+                self._pending["rollout"] += time.perf_counter() - t0  # also old/ref log-probs
                 self.num_tokens += rollout.num_tokens
             windows = _windows(steps)
             window_losses: list[Tensor] = []
@@ -454,7 +456,7 @@ class Engine:
                 window_losses, window_metrics = [], []
                 entropy_sum = torch.zeros((), device=acc.device)
                 entropy_count = torch.zeros((), device=acc.device)
-                step_seconds = time.perf_counter() - step_start + self._pending["generate"] + self._pending["reward"]
+                step_seconds = time.perf_counter() - step_start + self._pending["rollout"]
                 record.update(
                     {
                         "timing/generate": self._pending["generate"],
@@ -466,7 +468,7 @@ class Engine:
                         "peak_memory_gb": _peak_memory_gb(acc.device),
                     }
                 )
-                self._pending = {"generate": 0.0, "reward": 0.0, "tokens": 0.0}
+                self._pending = dict.fromkeys(self._pending, 0.0)
                 step_start, train_seconds = time.perf_counter(), 0.0
                 log_window.append(record)
                 self.writer.progress(self.global_step, record)

@@ -204,6 +204,15 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
     return out
 
 
+def _reset_accelerate() -> None:
+    """Forget the previous run's Accelerator (each framework builds its own in this process)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
 def table(tokens: list[int]) -> str:
     lines = [
         "",
@@ -255,6 +264,7 @@ def main() -> None:
         for name in args.frameworks:
             log(f"== {name} T={T}")
             try:
+                _reset_accelerate()
                 if name == "ours":
                     r = run_ours(T, args.steps, args.warmup, generator)
                 else:

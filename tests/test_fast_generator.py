@@ -225,3 +225,23 @@ def test_ignore_eos_samples_the_full_length(llama: tuple) -> None:
     generator.setup(model, tokenizer, SamplingSettings(max_completion_length=9))
     out = generator.generate(PROMPTS)
     assert out.completion_ids.shape == (4, 9) and out.completion_mask.all()
+
+
+def test_release_cache_frees_the_graphs_and_gives_the_same_tokens(llama: tuple) -> None:
+    model, _ = llama
+    greedy = SamplingSettings(max_completion_length=6, top_k=1)
+    kept = StaticDecoder(model, greedy, [2], 0)
+    released = StaticDecoder(model, greedy, [2], 0, release_cache=True)
+    for _ in range(2):
+        assert torch.equal(kept.generate(PROMPTS)[0], released.generate(PROMPTS)[0])
+    assert len(kept._graphs) == 1 and len(released._graphs) == 0
+
+
+def test_static_params_defaults_and_typos() -> None:
+    from grpo_plugins.registry import ComponentParamsError
+
+    component = get_registry().get("generator", "static")
+    params = component.validate_params({})
+    assert params.compile and params.cuda_graph and not params.ignore_eos and params.fallback
+    with pytest.raises(ComponentParamsError, match="compiel"):
+        component.validate_params({"compiel": False})

@@ -334,6 +334,7 @@ class StaticDecoder:
         check_every: decode steps between checks whether every row has finished (one host sync).
         stop_at_eos: False keeps sampling past EOS (benchmarks that want full-length completions).
         max_graphs: graphs (with their KV caches) kept at once, least recently used dropped first.
+        release_cache: drop every graph and KV cache at the end of each ``generate``.
     """
 
     def __init__(
@@ -349,6 +350,7 @@ class StaticDecoder:
         check_every: int = 16,
         stop_at_eos: bool = True,
         max_graphs: int = 2,
+        release_cache: bool = False,
     ) -> None:
         self.model = model
         self.parts = check_supported(model)
@@ -361,6 +363,7 @@ class StaticDecoder:
         self.check_every = max(1, check_every)
         self.stop_at_eos = stop_at_eos and bool(self.eos_ids)
         self.max_graphs = max_graphs
+        self.release_cache = release_cache
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
@@ -500,6 +503,8 @@ class StaticDecoder:
         length = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, steps)  # (n,)
         mask = torch.arange(steps, device=device)[None, :] < length[:, None]  # (n, steps)
         width = int(length.max()) if n else 0
+        if self.release_cache:
+            self.clear()
         tokens = tokens.masked_fill(~mask, self.pad_id)[:, :width]
         logps = logps.masked_fill(~mask, 0.0)[:, :width]
         return tokens, mask[:, :width].long(), ~has_eos, logps

@@ -195,7 +195,8 @@ class RunGuard:
                 raise
             raise PluginRuntimeError(
                 f"{component.origin} raised {type(exc).__name__}: {exc} (during {name} of optimizer "
-                f"step {step}); fix or update that plugin, or choose another {component.kind}",
+                f"step {step}); fix or update that plugin, or choose another {component.kind} "
+                "(--debug shows the traceback)",
                 component=component,
             ) from exc
 

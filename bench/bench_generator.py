@@ -16,7 +16,6 @@ Writes ``$OUT/gen_bench.json`` and prints a table last.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import traceback
 from pathlib import Path
@@ -26,7 +25,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import DEVICE, build_model, gib, peak, reset_peak, load_tokenizer, median, out_dir, prompt_texts, sync, timed, write_json  # noqa: E402
+from bench._common import (  # noqa: E402
+    DEVICE,
+    build_model,
+    gib,
+    load_tokenizer,
+    median,
+    out_dir,
+    peak,
+    prompt_texts,
+    reset_peak,
+    sync,
+    timed,
+    write_json,
+)
 from grpo_plugins.kinds import SamplingSettings  # noqa: E402
 from grpo_plugins.registry import get_registry  # noqa: E402
 
@@ -79,8 +91,12 @@ def correctness(model: Any, tokenizer: Any, prompts: list[list[int]], T: int) ->
     fast = make_generator(model, tokenizer, 32, {"compile": False}, top_k=1).generate(prompts).completion_ids
     with torch.no_grad():
         ref = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=32,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )[:, ids.shape[1] :]
     width = min(fast.shape[1], ref.shape[1])
     same = (fast[:, :width] == ref[:, :width]).float()
@@ -101,7 +117,9 @@ def correctness(model: Any, tokenizer: Any, prompts: list[list[int]], T: int) ->
         att = torch.cat([mask, a.completion_mask], dim=1)
         with torch.no_grad():
             pos = (att.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=full, attention_mask=att, position_ids=pos).logits[:, ids.shape[1] - 1 : -1].float()
+            logits = (
+                model(input_ids=full, attention_mask=att, position_ids=pos).logits[:, ids.shape[1] - 1 : -1].float()
+            )
         teacher = logits.log_softmax(-1).gather(2, a.completion_ids[..., None]).squeeze(-1)
         m = a.completion_mask.bool()
         diff = (teacher - a.sampling_logps).abs()[m]
@@ -127,12 +145,16 @@ def generation_timing(model: Any, tokenizer: Any, prompts: list[list[int]], T: i
     }
     if hf:
         variants["transformers (model.generate)"] = ("transformers", None)
-    variants = {k: v for k, v in variants.items() if k.split()[1].split("+")[0] in WANTED or "hf" in WANTED and v[0] == "transformers"}
+    variants = {
+        k: v
+        for k, v in variants.items()
+        if k.split()[1].split("+")[0] in WANTED or "hf" in WANTED and v[0] == "transformers"
+    }
     for label, (name, params) in variants.items():
         try:
             gen = make_generator(model, tokenizer, T, params, name=name)
             base = reset_peak()
-            first, t_first = timed(lambda: gen.generate(prompts))
+            _, t_first = timed(lambda: gen.generate(prompts))
             times = []
             n_rep = repeats if name == "static" else 1
             for _ in range(n_rep):
@@ -149,10 +171,12 @@ def generation_timing(model: Any, tokenizer: Any, prompts: list[list[int]], T: i
                 "mean_length": out.completion_mask.sum(1).float().mean().item(),
             }
             log(f"T={T} {label}: {rows[label]}")
-            del gen, out, first
+            gen = out = None  # free before the next variant
         except Exception as exc:
             rows[label] = {"error": repr(exc)}
-            RESULTS["errors"].append({"section": f"gen {label} {T}", "error": repr(exc), "trace": traceback.format_exc()})
+            RESULTS["errors"].append(
+                {"section": f"gen {label} {T}", "error": repr(exc), "trace": traceback.format_exc()}
+            )
             log(f"!! {label} T={T}: {exc!r}\n{traceback.format_exc()}")
         write_json(out_dir() / "gen_bench.json", RESULTS)
 
@@ -218,7 +242,9 @@ def table() -> str:
     lines += ["", "log-probs fwd+bwd (gradient checkpointing), 64 rows", ""]
     for T, rows in RESULTS.get("logprobs", {}).items():
         for label, r in rows.items():
-            lines.append(f"{T:>5}  {label:<32} {r['median_s']:>9.3f} s  peak {r['peak_gib']:.2f} GiB  (+{r['peak_above_weights_and_grads_gib']:.2f})")
+            lines.append(
+                f"{T:>5}  {label:<32} {r['median_s']:>9.3f} s  peak {r['peak_gib']:.2f} GiB  (+{r['peak_above_weights_and_grads_gib']:.2f})"
+            )
     if RESULTS["errors"]:
         lines += ["", f"{len(RESULTS['errors'])} error(s): see gen_bench.json"]
     return "\n".join(lines)

@@ -38,8 +38,12 @@ def _reference_generate(model, prompts, max_new_tokens, eos_id, pad_id=0):
     ids = torch.tensor([[pad_id] * (P - len(p)) + p for p in prompts])
     mask = (ids != pad_id).long()
     out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id, eos_token_id=eos_id,
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
     )
     return out[:, P:]
 
@@ -128,7 +132,9 @@ def test_filters_match_transformers_warpers(settings: dict) -> None:
 def test_top_k_restricts_sampled_support(qwen2: tuple) -> None:
     model, _ = qwen2
     torch.manual_seed(3)
-    ids, *_ = StaticDecoder(model, SamplingSettings(max_completion_length=1, top_k=3), [], 0).generate([PROMPTS[1]] * 500)
+    ids, *_ = StaticDecoder(model, SamplingSettings(max_completion_length=1, top_k=3), [], 0).generate(
+        [PROMPTS[1]] * 500
+    )
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([PROMPTS[1]])).logits[0, -1]
     assert set(ids[:, 0].tolist()) == set(logits.topk(3).indices.tolist())
@@ -171,7 +177,9 @@ def test_generator_uses_the_current_lora_weights(tiny_qwen2: dict) -> None:
                 p.add_(torch.randn_like(p) * 0.5)
     after = generator.generate(PROMPTS).completion_ids
     assert not torch.equal(before, after)
-    assert torch.equal(after, _reference_generate(model, PROMPTS, 10, eos_id=tokenizer.eos_token_id)[:, : after.shape[1]])
+    assert torch.equal(
+        after, _reference_generate(model, PROMPTS, 10, eos_id=tokenizer.eos_token_id)[:, : after.shape[1]]
+    )
     assert model.training is False or model.training is True  # mode restored below
     model.train()
     generator.generate(PROMPTS)

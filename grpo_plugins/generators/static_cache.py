@@ -40,7 +40,8 @@ class StaticCacheGenerator(Generator):
         ignore_eos: bool = Field(False, description="Sample the full max_completion_length (benchmarks).")
         max_graphs: int = Field(2, ge=1, description="Decode graphs (and KV caches) kept at once.")
         release_cache: bool = Field(
-            False, description="Free the KV cache and graph after each generation (less memory while training; re-captures each time)."
+            False,
+            description="Free the KV cache and graph after each generation (less memory while training; re-captures each time).",
         )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
 

@@ -82,7 +82,9 @@ def check_supported(model: Any) -> DecoderParts:
         )
     lm_head = base.get_output_embeddings()
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError("generator 'static' does not support logit soft-capping; use generator: transformers")
+        raise UnsupportedModelError(
+            "generator 'static' does not support logit soft-capping; use generator: transformers"
+        )
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     window = None
@@ -138,7 +140,9 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingS
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from the processed distribution.
 
     Returns the tokens (B,) and their log-probabilities under the distribution actually sampled
@@ -238,7 +242,16 @@ class DecodeState:
     out_logps: torch.Tensor  # (B, T) float32
 
     @staticmethod
-    def allocate(parts: DecoderParts, B: int, S: int, T: int, n_eos: int, with_seen: bool, dtype: torch.dtype, device: torch.device) -> "DecodeState":
+    def allocate(
+        parts: DecoderParts,
+        B: int,
+        S: int,
+        T: int,
+        n_eos: int,
+        with_seen: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> "DecodeState":
         L, Hkv, D = len(parts.layers), parts.num_kv_heads, parts.head_dim
         long = dict(dtype=torch.long, device=device)
         return DecodeState(

@@ -735,7 +735,7 @@ class Engine:
         # No active token in the whole window (e.g. all completions truncated and masked): the
         # gradient is exactly zero and the parameters must not move, so AdamW does not step.
         with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_step = step_number

@@ -231,14 +231,15 @@ def count_a(completions: list[str], **kwargs: Any) -> list[float]:
 @pytest.mark.slow
 def test_tiny_model_learns_a_token_count_reward(tiny_model: dict, tmp_path: Path) -> None:
     cfg = _config(
-        tiny_model, tmp_path, max_steps=30, per_device_train_batch_size=16, steps_per_generation=1,
+        tiny_model, tmp_path, max_steps=50, per_device_train_batch_size=16, steps_per_generation=1,
         num_generations=8, max_completion_length=8, learning_rate=3e-3, lr_scheduler_type="constant",
         loss_type="dapo",
     )
     Engine(cfg, rewards=[count_a], dataset=PROMPTS).train()
     rewards = [r["reward"] for r in read_metrics(tmp_path / "out")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 1.0, rewards
+    # From ~0.1 'a' per 8-token completion to several (about 5-7 over seeds 0-4).
+    assert last > first + 2.0, rewards
 
 
 # -- reward contracts ---------------------------------------------------------------------------

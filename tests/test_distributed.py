@@ -84,8 +84,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"],
+    # accelerate's --cpu flag means one process (or mpirun); its multi-process launcher is torchrun's.
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"],
+}
+
+
 @pytest.mark.slow
-def test_two_processes_match_one(tiny_model: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_processes_match_one(tiny_model: dict, tmp_path: Path, launcher: str) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -99,8 +108,7 @@ def test_two_processes_match_one(tiny_model: dict, tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-         __file__, str(tmp_path / "two.json")],
+        [*LAUNCHERS[launcher], __file__, str(tmp_path / "two.json")],
         env=_env(), capture_output=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr.decode()[-3000:]

@@ -339,7 +339,6 @@ def test_nonfinite_loss_skip_leaves_parameters(tiny_model: dict, tmp_path: Path)
 
 
 def test_fast_inference_without_vllm_is_a_clear_error(tiny_model: dict, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
     try:
         import vllm  # noqa: F401
 

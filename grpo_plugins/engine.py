@@ -42,6 +42,7 @@ from torch import Tensor
 from grpo_plugins.batching import BatchPlan, Step, plan_from_config
 from grpo_plugins.checkpoint import (
     capture_rng,
+    latest_checkpoint,
     load_checkpoint,
     resolve_resume,
     restore_rng,
@@ -191,6 +192,8 @@ class Engine:
         from accelerate.utils import set_seed
 
         cfg = self.config
+        if cfg.dtype == "float16" and not torch.cuda.is_available():
+            raise TrainingError("dtype: float16 trains with a CUDA gradient scaler; on a CPU use float32 or bfloat16")
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         # accelerate only sets up gloo for a CPU-only multi-process launch (torchrun) when told to.
         cpu_only = world > 1 and not torch.accelerator.is_available()
@@ -379,6 +382,12 @@ class Engine:
         rollout: Rollout | None = None
         log_window: list[dict[str, float]] = []
         checkpoint_path = resolve_resume(resume, output_dir)
+        if checkpoint_path is None and latest_checkpoint(output_dir) is not None and acc.is_main_process:
+            logger.warning(
+                "%s already holds checkpoints of an earlier run; this fresh run will save its own next to "
+                "them (use --resume to continue that run, or another output_dir)",
+                output_dir,
+            )
         if checkpoint_path is not None:
             state, rng, saved = load_checkpoint(
                 checkpoint_path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler

@@ -156,7 +156,14 @@ class Engine:
         self.config = _as_config(config)
         if model is not None and tokenizer is None:
             raise TrainingError("Engine(model=...) needs the model's tokenizer too: pass tokenizer=...")
-        self.registry = registry if registry is not None else get_registry()
+        if registry is None:
+            registry = Registry(disabled=self.config.disable_plugins) if self.config.disable_plugins else get_registry()
+        self.registry = registry
+        if model is None and rewards is None and dataset is None:
+            # The config-only path gets the same complete check as `grpo-plugins validate`.
+            from grpo_plugins.validation import validate_config
+
+            validate_config(self.config, self.registry)
         self._given_model = model
         self._given_tokenizer = tokenizer
         self._given_rewards = list(rewards) if rewards is not None else None
@@ -263,7 +270,7 @@ class Engine:
 
         cfg, reg = self.config, self.registry
         # fast_inference selects vllm, with a clear error where it is not installed.
-        gen_ref = generator_ref(cfg)
+        gen_ref = generator_ref(cfg, cuda=self.accelerator.device.type == "cuda")
         self.generator = reg.build("generator", gen_ref.name, gen_ref.params)
         self.generator.setup(
             self.unwrapped,

@@ -47,9 +47,17 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     found = []
     for child in root.iterdir():
         match = _NAME.match(child.name)
-        if match and (child / STATE_FILE).is_file():
+        if match and _is_complete(child):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
+
+
+def _is_complete(checkpoint: Path) -> bool:
+    """Its completion marker (the trainer state, written last) exists and reads back."""
+    try:
+        return isinstance(json.loads((checkpoint / STATE_FILE).read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -198,7 +198,7 @@ class GRPOConfig(_Strict):
         default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks besides the console."
     )
     log_completions: bool = Field(False, description="Write sampled completions to completions.jsonl.")
-    on_nonfinite: Literal["skip", "stop"] = Field("stop", description="A NaN/inf loss or gradient: skip the step, or stop.")
+    on_nonfinite: Literal["skip", "stop"] = Field("stop", description="A NaN/inf reward, advantage, loss or gradient: skip that optimizer step, or stop naming the step and the component (docs/failures.md).")
     disable_plugins: list[str] = Field(default_factory=list, description="Distributions whose plugins are not loaded.")
 
     # -- aliases and normalisation --------------------------------------------------------------

@@ -51,6 +51,7 @@ from grpo_plugins.checkpoint import (
 from grpo_plugins.config import GRPOConfig, component_ref, load_config
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators import generator_ref
+from grpo_plugins.guards import NonFiniteError, RunGuard, check_prompt_lengths
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.metrics import MetricsWriter, average, completion_metrics, reward_metrics
 from grpo_plugins.registry import Registry, get_registry
@@ -62,10 +63,6 @@ __all__ = ["Engine", "NonFiniteError", "TrainResult", "TrainingError", "run_trai
 
 class TrainingError(GRPOPluginsError):
     """The run cannot start or continue as configured."""
-
-
-class NonFiniteError(TrainingError):
-    """A loss or gradient was NaN or infinite and ``on_nonfinite`` is ``stop``."""
 
 
 @dataclass
@@ -107,6 +104,7 @@ class Rollout:
     num_tokens: int  # prompt + completion tokens of the whole batch (all processes)
     generate_seconds: float
     reward_seconds: float
+    nonfinite: str | None = None  # the component that produced a NaN/inf reward or advantage
 
     def to_state(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -223,6 +221,7 @@ class Engine:
         self._build_components()
         self._load_data()
         self._build_rewards()
+        self.guard = RunGuard(cfg, self.rewards.names, self.registry)
         self._build_scheduler()
         # Sampling differs per process (each generates different completions), so seed by rank.
         set_seed(cfg.seed + acc.process_index)
@@ -345,6 +344,12 @@ class Engine:
             )
         if len(dataset) == 0:
             raise TrainingError("the dataset is empty")
+        check_prompt_lengths(
+            self.tokenizer,
+            dataset[self.prompt_column],
+            max_prompt_length=cfg.max_prompt_length,
+            truncation=cfg.prompt_truncation,
+        )
         self.dataset = dataset
         self.stream = PromptStream(len(dataset), cfg.seed)
         self.updates_per_cycle = sum(s.optimizer_update for s in self.plan.cycle(0))
@@ -408,6 +413,7 @@ class Engine:
                 restore_rng(rng)
             rollout = Rollout.from_state(saved, acc.device) if saved is not None else None
             self.generator.on_weights_updated(self.unwrapped)
+            self.guard.last_checkpoint = checkpoint_path
             logger.info("resumed from %s at step %d", checkpoint_path, self.global_step)
         if acc.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -428,7 +434,8 @@ class Engine:
                 rng_at_cycle_start = capture_rng()
                 t0 = time.perf_counter()
                 try:
-                    rollout = self._rollout(cycle)
+                    with self.guard.phase("generation", self.global_step + 1):
+                        rollout = self._rollout(cycle)
                 except _RewardFailed as failed:
                     if self.global_step > 0 and last_saved != self.global_step:
                         self._save(cycle, 0, None, rng_at_cycle_start, log_window)
@@ -447,7 +454,8 @@ class Engine:
             for k in range(start_k, len(steps)):
                 step = steps[k]
                 t0 = time.perf_counter()
-                loss, lm, ent_sum, ent_count = self._micro_step(rollout, step, rollout.window_items[windows[k]])
+                with self.guard.phase("training", self.global_step + 1):
+                    loss, lm, ent_sum, ent_count = self._micro_step(rollout, step, rollout.window_items[windows[k]])
                 train_seconds += time.perf_counter() - t0
                 window_losses.append(loss)
                 window_metrics.append(lm)
@@ -465,9 +473,10 @@ class Engine:
                 if not step.optimizer_update:
                     continue
                 t0 = time.perf_counter()
-                record = self._optimizer_step(
-                    rollout, window_losses, window_metrics, entropy_sum, entropy_count, rollout.window_items[windows[k]]
-                )
+                with self.guard.phase("training", self.global_step + 1):
+                    record = self._optimizer_step(
+                        rollout, window_losses, window_metrics, entropy_sum, entropy_count, rollout.window_items[windows[k]]
+                    )
                 train_seconds += time.perf_counter() - t0
                 window_losses, window_metrics = [], []
                 entropy_sum = torch.zeros((), device=acc.device)
@@ -504,7 +513,7 @@ class Engine:
                         log_window,
                     )
                     last_saved = self.global_step
-                    final = path
+                    final = self.guard.last_checkpoint = path
                 if done:
                     break
             cycle, start_k, rollout = cycle + 1, 0, None
@@ -580,6 +589,7 @@ class Engine:
             registry=self.registry,
         ).float()  # (N,)
         advantages = advantages_all[rank * L : (rank + 1) * L]  # (L,)
+        nonfinite = self.guard.check_rollout(all_rewards, advantages_all, self.global_step + 1)
 
         loss_mask = completion_mask.float()  # (L, T)
         if cfg.mask_truncated_completions:
@@ -620,6 +630,7 @@ class Engine:
             num_tokens=num_tokens,
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
+            nonfinite=nonfinite,
         )
         if self.correction:
             if out.sampling_logps is None:
@@ -628,14 +639,15 @@ class Engine:
                     "log-probs; set vllm_importance_sampling_correction: false or use a generator that does"
                 )
             rollout.sampling_logps = out.sampling_logps.to(acc.device).float()
-        if not plan.on_policy:
-            rollout.old_logps = self._batch_logps(rollout, self.unwrapped, steps)
-        if cfg.beta != 0.0:
-            if self.is_peft:
-                with self.unwrapped.disable_adapter():
-                    rollout.ref_logps = self._batch_logps(rollout, self.unwrapped, steps)
-            else:
-                rollout.ref_logps = self._batch_logps(rollout, self.ref_model, steps)
+        with self.guard.phase("log-probs", self.global_step + 1):
+            if not plan.on_policy:
+                rollout.old_logps = self._batch_logps(rollout, self.unwrapped, steps)
+            if cfg.beta != 0.0:
+                if self.is_peft:
+                    with self.unwrapped.disable_adapter():
+                        rollout.ref_logps = self._batch_logps(rollout, self.unwrapped, steps)
+                else:
+                    rollout.ref_logps = self._batch_logps(rollout, self.ref_model, steps)
         return rollout
 
     def _batch_logps(self, rollout: Rollout, model: Any, steps: list[Step]) -> Tensor:
@@ -728,28 +740,25 @@ class Engine:
 
         acc, cfg = self.accelerator, self.config
         local_loss = torch.stack(losses).sum()
-        nonfinite_local = (~torch.isfinite(local_loss)).float().reshape(1)
-        step_loss = acc.reduce(local_loss.reshape(1), reduction="mean")
-        nonfinite = bool(acc.reduce(nonfinite_local, reduction="sum").item() > 0)
+        step_loss = acc.reduce(local_loss.reshape(1), reduction="mean")  # NaN/inf if any process's is
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
         grad_norm = acc.clip_grad_norm_(self.trainable, max_norm)
         grad_norm_value = float(grad_norm) if grad_norm is not None else 0.0
-        nonfinite = nonfinite or not math.isfinite(grad_norm_value)
         lr = self.scheduler.get_last_lr()[0]
         step_number = self.global_step + 1
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
-            if cfg.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"non-finite loss or gradient at optimizer step {step_number} (loss {float(step_loss)}, "
-                    f"grad_norm {grad_norm_value}); lower the learning rate, use bfloat16/float32, or set "
-                    "on_nonfinite: skip"
-                )
-            logger.warning("skipping optimizer step %d: non-finite loss or gradient", step_number)
-        elif window_items > 0:
-            self.optimizer.step()
+        grads = ((name, p.grad) for name, p in self.unwrapped.named_parameters() if p.requires_grad)
+        nonfinite = self.guard.check_update(
+            step_number, float(step_loss), grad_norm_value, grads, rollout.nonfinite, loss_scaling=acc.scaler is not None
+        )
         # No active token in the whole window (e.g. all completions truncated and masked): the
         # gradient is exactly zero and the parameters must not move, so AdamW does not step.
+        hold = nonfinite or window_items == 0
+        if hold:
+            self.optimizer.zero_grad(set_to_none=True)
+        if not hold or acc.scaler is not None:
+            # float16: step even when holding (no gradients, so nothing moves) so that the
+            # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
+            self.optimizer.step()
         with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()

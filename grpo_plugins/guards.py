@@ -269,6 +269,7 @@ class RunGuard:
         grad_norm: float,
         named_grads: Iterator[tuple[str, Any]] | Sequence[tuple[str, Any]] = (),
         rollout_problem: str | None = None,
+        loss_scaling: bool = False,
     ) -> bool:
         """Decide, before the optimizer step, whether it may go ahead.
 
@@ -279,6 +280,9 @@ class RunGuard:
             named_grads: (parameter name, gradient) pairs, read only when ``grad_norm`` is not
                 finite, to name the parameters.
             rollout_problem: what :meth:`check_rollout` found for this step's batch.
+            loss_scaling: float16 with a gradient scaler: overflowing gradients (with a finite
+                loss) are the scaler's business -- its step skips the update and lowers the
+                scale -- so they neither stop nor count as skipped here.
 
         Returns:
             True when the step must be skipped (``on_nonfinite: skip``).
@@ -301,6 +305,9 @@ class RunGuard:
             self._record_skip(step, f"loss_type '{name.name}'")
             return True
         if not math.isfinite(grad_norm):
+            if loss_scaling:
+                logger.info("optimizer step %d: float16 gradients overflowed; the loss scale is lowered", step)
+                return False
             params = self._nonfinite_params(named_grads)
             where = f"parameter(s) {', '.join(params[:3])}{' ...' if len(params) > 3 else ''}" if params else "the model"
             self._found(

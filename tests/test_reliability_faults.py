@@ -269,6 +269,10 @@ def test_guard_names_the_reward_scaling_for_non_finite_advantages() -> None:
     assert skip.check_rollout(rewards, torch.tensor([float("inf")] * 4), step=2) == "reward scaling 'group'"
     assert skip.check_update(2, 0.1, 1.0, rollout_problem="reward scaling 'group'") is True
     assert skip.skipped == [(2, "reward scaling 'group'")]
+    # float16: overflowing gradients with a finite loss are the gradient scaler's to handle.
+    assert guard.check_update(3, 0.5, float("inf"), loss_scaling=True) is False
+    with pytest.raises(NonFiniteError, match="optimizer step 3, produced by the backward pass"):
+        guard.check_update(3, 0.5, float("inf"), [("w", torch.tensor([float("nan")]))])
 
 
 # -- checkpoints that are not complete ---------------------------------------------------------------
@@ -329,3 +333,15 @@ def test_prompt_lengths_are_checked_for_every_row(tmp_path: Path) -> None:
     check_prompt_lengths(tok, prompts, max_prompt_length=20, truncation="error", limit=600)  # only the first 600
     with pytest.raises(DataError, match="prompt 300 is empty"):
         check_prompt_lengths(tok, ["ab"] * 300 + [""], max_prompt_length=20, truncation="error")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="float16 training needs CUDA")
+def test_float16_skipped_steps_keep_the_gradient_scaler_working(tiny_model: dict, tmp_path: Path) -> None:
+    model, tok = _model(tiny_model)
+    before = {k: v.float().cpu() for k, v in _snapshot(model).items()}
+    registry = get_registry()
+    with registry.temporary("loss_type", "nan_loss", NaNLoss):
+        cfg = _config(tiny_model, tmp_path, loss_type="nan_loss", dtype="float16", on_nonfinite="skip", max_steps=3)
+        Engine(cfg, model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS, registry=registry).train()
+    assert [r["nonfinite_skipped"] for r in read_metrics(tmp_path / "out")] == [1.0, 1.0, 1.0]
+    assert all(torch.equal(before[k], v.detach().float().cpu()) for k, v in model.named_parameters())

@@ -436,10 +436,11 @@ class Engine:
                 try:
                     with self.guard.phase("generation", self.global_step + 1):
                         rollout = self._rollout(cycle)
-                except _RewardFailed as failed:
+                except (_RewardFailed, NonFiniteError) as failed:
+                    # Stopped between cycles: the state is consistent, so keep the progress made.
                     if self.global_step > 0 and last_saved != self.global_step:
                         self._save(cycle, 0, None, rng_at_cycle_start, log_window)
-                    raise failed.error from None
+                    raise getattr(failed, "error", failed) from None
                 self._pending["generate"] += rollout.generate_seconds
                 self._pending["reward"] += rollout.reward_seconds
                 self._pending["rollout"] += time.perf_counter() - t0  # also old/ref log-probs

@@ -197,6 +197,15 @@ def test_inf_reward_stops_before_the_optimizer_step(tiny_model: dict, tmp_path: 
     assert _unchanged(before, model)
 
 
+def test_stopping_on_a_bad_reward_saves_the_last_good_step_and_resumes(tiny_model: dict, tmp_path: Path) -> None:
+    cfg = _config(tiny_model, tmp_path, save_steps=None)
+    with pytest.raises(NonFiniteError, match="optimizer step 3"):
+        Engine(cfg, rewards=[_huge_on_call(3)], dataset=PROMPTS).train()
+    _assert_checkpoint_intact(tmp_path / "out", 2)
+    result = Engine(cfg, rewards=[char_sum], dataset=PROMPTS).train(resume=True)
+    assert result.global_step == 4
+
+
 def test_inf_reward_with_skip_skips_that_step_only(tiny_model: dict, tmp_path: Path) -> None:
     model, tok = _model(tiny_model)
     engine = Engine(_config(tiny_model, tmp_path, on_nonfinite="skip", max_steps=3), model=model, tokenizer=tok,

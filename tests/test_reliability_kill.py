@@ -58,6 +58,7 @@ def _config(tiny_model: dict, output_dir: Path) -> dict[str, Any]:
 
 def _train(config: Path, *, resume: bool, kill: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "RELIABILITY_KILL"}
+    env["OMP_NUM_THREADS"] = "1"  # a tiny model gains nothing from more threads; on a busy machine they spin
     if kill is not None:
         env["RELIABILITY_KILL"] = kill
     args = [sys.executable, __file__, str(config)] + (["--resume"] if resume else [])

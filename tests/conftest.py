@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from grpo_plugins.testing import tiny_model_spec
+# Tiny models gain nothing from intra-op threads, and on a 2-core machine two threads per
+# process (tests, workers and DDP subprocesses at once) fight for the cores. Set before torch
+# is imported, so subprocesses inherit it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from grpo_plugins.testing import tiny_model_spec  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,9 @@ def dataset() -> Any:
     return datasets.Dataset.from_dict({"prompt": prompt_texts(256)})
 
 
-def run_ours(T: int, steps: int, warmup: int, generator: dict[str, Any]) -> dict[str, Any]:
+def run_ours(
+    T: int, steps: int, warmup: int, generator: dict[str, Any], train_chunk_rows: int | None = None
+) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
     tokenizer = load_tokenizer()
@@ -82,6 +84,7 @@ def run_ours(T: int, steps: int, warmup: int, generator: dict[str, Any]) -> dict
         "generator": generator,
         "output_dir": tempfile.mkdtemp(prefix="bench_ours_"),
         "seed": 0,
+        "train_chunk_rows": train_chunk_rows,
     }
     engine = Engine(config, model=model, tokenizer=tokenizer, rewards=[length_reward], dataset=dataset())
     ends: list[float] = []
@@ -253,6 +256,7 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", default=["ours", "trl"])
     parser.add_argument("--generator", default="static", help="the Engine's generator (static, transformers)")
     parser.add_argument("--generator-params", default="{}", help="JSON params of the generator")
+    parser.add_argument("--train-chunk-rows", type=int, default=None, help="the Engine's train_chunk_rows")
     args = parser.parse_args()
     import json
 
@@ -266,7 +270,7 @@ def main() -> None:
             try:
                 _reset_accelerate()
                 if name == "ours":
-                    r = run_ours(T, args.steps, args.warmup, generator)
+                    r = run_ours(T, args.steps, args.warmup, generator, args.train_chunk_rows)
                 else:
                     r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup)
             except Exception as exc:

@@ -188,6 +188,11 @@ class GRPOConfig(_Strict):
     num_train_epochs: float = Field(1.0, gt=0, description="Passes over the prompts when max_steps is None.")
     seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
     logprob_chunk_size: int = Field(1024, ge=1, description="Rows x tokens per chunk of the chunked log-softmax.")
+    train_chunk_rows: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. Less activation memory; None: the whole micro-batch at once.",
+    )
 
     # -- output ---------------------------------------------------------------------------------
     output_dir: str = Field("outputs/grpo", description="Where metrics.jsonl, TensorBoard events, checkpoints and config.yaml go.")

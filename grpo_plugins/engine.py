@@ -655,15 +655,21 @@ class Engine:
         """(L, T) log-probs of the whole share, one micro-batch at a time, without gradients."""
         from grpo_plugins.logprobs import completion_logps
 
+        from grpo_plugins.row_chunks import row_chunks
+
         T = rollout.loss_mask.shape[1]
         out = torch.zeros_like(rollout.loss_mask)  # (L, T)
         with torch.no_grad(), self.accelerator.autocast():
             for step in steps[: self.plan.steps_per_generation]:
+                # Trimmed per micro-batch, as in the training step, so each row sees the same input.
                 ids, att, t = _trim(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T)
-                logps, _ = completion_logps(
-                    model, ids, att, t, temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size
-                )
-                out[step.rows, :t] = logps.float()
+                rows = out[step.rows]  # (B, T) view
+                for c in row_chunks(ids.shape[0], self.config.train_chunk_rows):
+                    logps, _ = completion_logps(
+                        model, ids[c], att[c], t, temperature=self.config.temperature,
+                        chunk_size=self.config.logprob_chunk_size,
+                    )  # (b, t)
+                    rows[c, :t] = logps.float()
         return out
 
     def _log_completions(self, prompts: list[Any], texts: list[str], rewards: Tensor, advantages: Tensor) -> None:
@@ -685,48 +691,64 @@ class Engine:
     # -- training --------------------------------------------------------------------------------
 
     def _micro_step(self, rollout: Rollout, step: Step, window_items: float) -> tuple[Tensor, Any, Tensor, Tensor]:
+        """Forward+backward of one micro-step, ``train_chunk_rows`` rows at a time (the gradient,
+        loss and metrics equal those of the whole micro-batch at once; see row_chunks)."""
         from grpo_plugins.logprobs import completion_logps
-        from grpo_plugins.objective import compute_loss
+        from grpo_plugins.objective import LossMetrics, compute_loss
+        from grpo_plugins.row_chunks import ChunkedReduction, row_chunks
 
         acc, cfg = self.accelerator, self.config
         r = step.rows
         T = rollout.loss_mask.shape[1]
-        ids, att, t = _trim(rollout.input_ids[r], rollout.attention_mask[r], T)
+        ids, att, t = _trim(rollout.input_ids[r], rollout.attention_mask[r], T)  # (B, P'+t)
         mask = rollout.loss_mask[r, :t]  # (B, t)
+        advantages = rollout.advantages[r]  # (B,)
+        chunks = row_chunks(mask.shape[0], cfg.train_chunk_rows)
 
-        def cut(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x[r, :t]
+        def cut(x: Tensor | None, c: slice) -> Tensor | None:
+            return None if x is None else x[r, :t][c]
 
-        sync = contextlib.nullcontext() if step.optimizer_update else acc.no_sync(self.model)
-        with sync:
-            with acc.autocast():
-                logps, entropy = completion_logps(
-                    self.model,
-                    ids,
-                    att,
-                    t,
-                    temperature=cfg.temperature,
-                    chunk_size=cfg.logprob_chunk_size,
-                    with_entropy=True,
-                )
-                loss, metrics = compute_loss(
-                    logps,
-                    cut(rollout.old_logps),
-                    rollout.advantages[r],
-                    mask,
-                    ref_per_token_logps=cut(rollout.ref_logps),
-                    sampling_per_token_logps=cut(rollout.sampling_logps),
-                    num_items_in_batch=window_items,
-                    num_processes=acc.num_processes,
-                    gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
-                    **self.loss_settings,
-                )
-            acc.backward(loss)
-        assert entropy is not None
-        with torch.no_grad():
-            ent_sum = (entropy.detach().float() * mask).sum()
-            ent_count = mask.sum()
-        return loss.detach().float(), metrics, ent_sum, ent_count
+        losses: list[Tensor] = []
+        metrics: list[Any] = []
+        ent_sum = torch.zeros((), device=acc.device)
+        for i, c in enumerate(chunks):
+            # DDP syncs gradients once, on the backward that ends the accumulation window.
+            last = i == len(chunks) - 1
+            sync = contextlib.nullcontext() if step.optimizer_update and last else acc.no_sync(self.model)
+            settings = self.loss_settings
+            if len(chunks) > 1:
+                settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
+            with sync:
+                with acc.autocast():
+                    logps, entropy = completion_logps(
+                        self.model,
+                        ids[c],
+                        att[c],
+                        t,
+                        temperature=cfg.temperature,
+                        chunk_size=cfg.logprob_chunk_size,
+                        with_entropy=True,
+                    )  # (b, t) (b, t)
+                    loss, chunk_metrics = compute_loss(
+                        logps,
+                        cut(rollout.old_logps, c),
+                        advantages[c],
+                        mask[c],
+                        ref_per_token_logps=cut(rollout.ref_logps, c),
+                        sampling_per_token_logps=cut(rollout.sampling_logps, c),
+                        num_items_in_batch=window_items,
+                        num_processes=acc.num_processes,
+                        gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                        **settings,
+                    )
+                acc.backward(loss)
+            assert entropy is not None
+            with torch.no_grad():
+                ent_sum = ent_sum + (entropy.detach().float() * mask[c]).sum()
+            losses.append(loss.detach().float())
+            metrics.append(chunk_metrics)
+        merged = metrics[0] if len(metrics) == 1 else LossMetrics.merge(metrics)
+        return torch.stack(losses).sum(), merged, ent_sum, mask.sum()
 
     def _optimizer_step(
         self,

@@ -153,7 +153,7 @@ class GRPOConfig(_Strict):
     rollout_correction: str | ComponentRef = Field("token_truncate", description="Which correction TIS applies (a plugin name).")
 
     # -- generation -----------------------------------------------------------------------------
-    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else transformers.")
+    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere.")
     fast_inference: bool = Field(False, description="Use the vLLM backend (needs vllm installed).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0); keep it high (1.0) for diverse groups. Log-probs use the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Must be in (0, 1].")
@@ -270,7 +270,9 @@ class GRPOConfig(_Strict):
 
     @property
     def resolved_generator(self) -> str | ComponentRef:
-        """The generation backend: ``generator``, else vllm with fast_inference, else transformers."""
+        """The generation backend as far as the config decides it: ``generator``, else vllm with
+        fast_inference, else transformers (the engine picks ``static`` instead on a CUDA device;
+        see :func:`grpo_plugins.generators.generator_ref`)."""
         if self.generator is not None:
             return self.generator
         return "vllm" if self.fast_inference else "transformers"

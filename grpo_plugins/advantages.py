@@ -133,7 +133,9 @@ def compute_advantages(
         registry: where to find the scaling (default: the process-wide registry).
 
     Returns:
-        (N,) advantages; 0 for unscorable rows (every reward NaN), never NaN.
+        (N,) advantages; 0 for unscorable rows (every reward NaN). The built-in scalings never
+        give NaN for a scorable row; a NaN or inf from a plugin scaling (or an inf reward) is
+        returned as it is, not hidden, so that the engine's guard can name the component.
     """
     from grpo_plugins.objective import resolve_component
 
@@ -156,4 +158,4 @@ def compute_advantages(
     aggregate = AGGREGATIONS[multi_objective_aggregation]
     advantages = aggregate(rewards_per_func, weights, num_generations, scaling)  # (N,)
     unscorable = torch.isnan(rewards_per_func).all(dim=1)  # (N,)
-    return torch.nan_to_num(advantages.masked_fill(unscorable, 0.0), nan=0.0, posinf=0.0, neginf=0.0)
+    return advantages.masked_fill(unscorable, 0.0)

@@ -197,6 +197,22 @@ def test_a_plugin_scaling_is_found_by_name():
     assert adv([[10.0], [-3.0], [7.0]], 3, scale_rewards=RankScaling()) == [1.0, -1.0, 0.0]
 
 
+def test_nan_from_a_plugin_scaling_is_not_hidden_but_unscorable_rows_are_zero():
+    class BrokenScaling:
+        """Divides by the group's reward range: 0/0 for a zero-spread group."""
+
+        def advantages(self, rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+            g = rewards.view(-1, num_generations)
+            spread = g.max(dim=1, keepdim=True).values - g.min(dim=1, keepdim=True).values
+            return ((g - g.mean(dim=1, keepdim=True)) / spread).view(-1)
+
+    # group 1 has spread 2; group 2 is zero-spread (0/0 = NaN); row 4 is unscorable
+    out = adv([[1.0], [3.0], [5.0], [5.0], [NAN], [0.0]], 2, scale_rewards=BrokenScaling())
+    assert out[:2] == [-0.5, 0.5]
+    assert math.isnan(out[2]) and math.isnan(out[3])  # the engine's guard names the scaling
+    assert out[4] == 0.0
+
+
 def test_errors_name_what_to_change():
     with pytest.raises(AdvantageError, match="num_generations=4"):
         adv([[1.0]] * 6, 4)

@@ -194,6 +194,7 @@ class Engine:
 
     def _setup(self) -> None:
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
         from accelerate.utils import set_seed
 
         cfg = self.config
@@ -202,6 +203,9 @@ class Engine:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         # accelerate only sets up gloo for a CPU-only multi-process launch (torchrun) when told to.
         cpu_only = world > 1 and not torch.accelerator.is_available()
+        # Each run sets its own precision: drop the settings an earlier Accelerator in this process
+        # (another Engine in a notebook, a benchmark) left behind, keeping the process group.
+        AcceleratorState._reset_state(reset_partial_state=False)
         self.accelerator = acc = Accelerator(
             mixed_precision="fp16" if cfg.dtype == "float16" else "no", cpu=cpu_only
         )

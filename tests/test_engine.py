@@ -113,6 +113,18 @@ def test_each_loss_type_and_is_level_trains(tiny_model: dict, tmp_path: Path, se
     assert "rewards/char_sum/mean" in records[0]
 
 
+def test_an_earlier_accelerator_with_other_settings_does_not_block_a_run(tiny_model: dict, tmp_path: Path) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # whatever earlier tests left
+    Accelerator(cpu=True, mixed_precision="bf16")  # e.g. left by a benchmark or a notebook cell
+    model, tok = _model(tiny_model)
+    result = Engine(_config(tiny_model, tmp_path), model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS).train()
+    assert result.global_step == 2
+    assert result.metrics and math.isfinite(result.metrics["loss"])
+
+
 def test_kl_rollout_correction_and_iterations(tiny_model: dict, tmp_path: Path) -> None:
     model, tok = _model(tiny_model)
     before = _snapshot(model)

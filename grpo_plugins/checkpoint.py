@@ -178,7 +178,9 @@ def save_checkpoint(
             if trash.exists():
                 shutil.rmtree(trash)
             os.replace(final, trash)
+        _fsync_tree(tmp)  # the rename must not become visible before the contents are on disk
         os.replace(tmp, final)
+        _fsync_dir(root)
         if trash.exists():
             shutil.rmtree(trash)
         if save_total_limit is not None:
@@ -186,6 +188,27 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (so a power loss cannot leave a checkpoint
+    that looks complete but holds truncated files)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
 
 
 # -- loading --------------------------------------------------------------------------------------

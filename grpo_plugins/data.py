@@ -110,6 +110,8 @@ def load_dataset_spec(spec: DatasetSpec) -> datasets.Dataset:
     with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True):
         try:
             loaded = datasets.load_dataset(builder, spec.name, data_files=data_files, split=spec.split)
+        except StopIteration as exc:  # what datasets raises for an empty JSON file
+            raise DataError(f"dataset '{spec.path}' is empty: it has no rows to train on") from exc
         except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
             if local:
                 raise DataError(f"cannot read dataset '{spec.path}': {exc}") from exc

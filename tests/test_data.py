@@ -191,3 +191,13 @@ def test_left_pad() -> None:
     ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_an_empty_json_file_is_a_clear_error(tmp_path: Path) -> None:
+    from grpo_plugins.config import DatasetSpec
+    from grpo_plugins.data import DataError, load_dataset_spec
+
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    with pytest.raises(DataError, match="is empty"):
+        load_dataset_spec(DatasetSpec(path=str(empty)))

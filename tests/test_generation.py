@@ -135,6 +135,21 @@ def test_sampling_filters_are_reflected_in_the_sampling_logps(model_and_tokenize
     assert (out.sampling_logps[valid] > plain[valid] + 1e-3).any()
 
 
+def test_the_models_own_generation_config_does_not_filter_sampling(model_and_tokenizer) -> None:
+    """A model shipped with sampling defaults (Qwen-style top_k 20, top_p 0.8, temperature 0.7)
+    must still be sampled with the run's settings alone (temperature 1, no filters). The tiny
+    random model's first-token distribution is close to uniform over ~100 tokens, so 128 samples
+    show far more than the 20 tokens top_k 20 would allow."""
+    model, tokenizer = model_and_tokenizer
+    model.generation_config.do_sample = True
+    model.generation_config.top_k = 20
+    model.generation_config.top_p = 0.8
+    model.generation_config.temperature = 0.7
+    prompt_ids = encode_prompts(tokenizer, ["abc"] * 128, max_prompt_length=None)
+    out = _generator(model, tokenizer, max_completion_length=1).generate(prompt_ids)
+    assert out.completion_ids[:, 0].unique().numel() > 30
+
+
 def test_same_seed_same_samples_next_call_differs_and_global_rng_untouched(model_and_tokenizer) -> None:
     model, tokenizer = model_and_tokenizer
     prompt_ids = encode_prompts(tokenizer, PROMPTS, max_prompt_length=None)

@@ -186,8 +186,20 @@ class TransformersGenerator(Generator):
         """The GenerationConfig of a call: sampling, no built-in warpers (passed explicitly)."""
         from transformers import GenerationConfig
 
+        # Every warper is set to its neutral value explicitly: left unset, generate() would fill
+        # them from the model's own generation_config (or global defaults such as top_k=50) and
+        # apply them after our processors, so tokens would be sampled from a distribution the
+        # loss and the recorded sampling log-probs know nothing about.
         return GenerationConfig(
             do_sample=True,
+            num_beams=1,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
             max_new_tokens=self.sampling.max_completion_length,
             repetition_penalty=self.sampling.repetition_penalty,
             pad_token_id=self.tokenizer.pad_token_id,

@@ -140,6 +140,7 @@ def save_checkpoint(
     state: dict[str, Any],
     config_yaml: str,
     save_total_limit: int | None,
+    scaler: Any = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically (every process calls this) and prune old ones.
 
@@ -148,6 +149,8 @@ def save_checkpoint(
         rng_state: this process's RNG states to resume with.
         rollout: this process's generation batch when saved mid-cycle, else None.
         state: JSON-serialisable trainer state (step, data position, counters).
+        scaler: the float16 gradient scaler, if any (its scale and growth tracker are saved so
+            that a resumed run skips exactly the steps an uninterrupted one would).
     """
     import torch
 
@@ -171,6 +174,8 @@ def save_checkpoint(
             tokenizer.save_pretrained(str(tmp / "model"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         trash = root / f".old-checkpoint-{step}"
@@ -221,6 +226,7 @@ def load_checkpoint(
     model: Any,
     optimizer: Any,
     scheduler: Any,
+    scaler: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """Load weights, optimizer and scheduler state in place.
 
@@ -233,6 +239,8 @@ def load_checkpoint(
     load_weights(path / "model", model)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
+    if scaler is not None and (path / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=False))
     rank = accelerator.process_index
     rng_file = path / f"rng_state_{rank}.pt"
     rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None

@@ -406,7 +406,12 @@ class Engine:
             )
         if checkpoint_path is not None:
             state, rng, saved = load_checkpoint(
-                checkpoint_path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler
+                checkpoint_path,
+                acc,
+                model=self.unwrapped,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=acc.scaler,
             )
             self.global_step, cycle, start_k = state["global_step"], state["cycle"], state["next_micro_step"]
             self.num_tokens = state["num_tokens"]
@@ -844,6 +849,7 @@ class Engine:
             state=state,
             config_yaml=self._config_yaml(),
             save_total_limit=self.config.save_total_limit,
+            scaler=self.accelerator.scaler,
         )
 
     def _config_yaml(self) -> str:

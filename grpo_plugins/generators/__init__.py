@@ -29,18 +29,16 @@ def generator_ref(config: GRPOConfig, *, cuda: bool = False) -> ComponentRef:
     ``fast_inference`` (which needs vLLM installed), else ``static`` on a CUDA device (measured
     about 12x faster than ``model.generate``; see bench/RESULTS.md) and ``transformers``
     elsewhere."""
-    if config.generator is not None:
-        ref = component_ref(config.generator)
-        assert ref is not None
-        return ref
-    if config.fast_inference:
-        if not vllm_available():
-            raise GeneratorUnavailableError(
-                "fast_inference: true selects the vllm generator, but vLLM is not installed here; "
-                "install it (pip install 'grpo-plugins[vllm]', GPU only) or set fast_inference: false"
-            )
-        return ComponentRef(name="vllm")
-    return ComponentRef(name="static" if cuda else "transformers")
+    if config.generator is None and config.fast_inference and not vllm_available():
+        raise GeneratorUnavailableError(
+            "fast_inference: true selects the vllm generator, but vLLM is not installed here; "
+            "install it (pip install 'grpo-plugins[vllm]', GPU only) or set fast_inference: false"
+        )
+    if config.generator is None and not config.fast_inference and cuda:
+        return ComponentRef(name="static")
+    ref = component_ref(config.resolved_generator)  # the config's own choice, in one place
+    assert ref is not None
+    return ref
 
 
 @hookimpl

@@ -57,14 +57,11 @@ def dataset() -> Any:
     return datasets.Dataset.from_dict({"prompt": prompt_texts(256)})
 
 
-def run_ours(
+def ours_config(
     T: int, steps: int, warmup: int, generator: dict[str, Any], train_chunk_rows: int | None = None
 ) -> dict[str, Any]:
-    from grpo_plugins.engine import Engine
-
-    tokenizer = load_tokenizer()
-    model = build_model(seed=0)
-    config = {
+    """The Engine config of the benchmark workload (TRL's settings in :func:`run_trl`)."""
+    return {
         "task": None,
         "dtype": "bfloat16" if DEVICE == "cuda" else "float32",
         "per_device_train_batch_size": 64,
@@ -86,6 +83,21 @@ def run_ours(
         "seed": 0,
         "train_chunk_rows": train_chunk_rows,
     }
+
+
+def run_ours(
+    T: int,
+    steps: int,
+    warmup: int,
+    generator: dict[str, Any],
+    train_chunk_rows: int | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    from grpo_plugins.engine import Engine
+
+    tokenizer = load_tokenizer()
+    model = build_model(seed=0)
+    config = {**ours_config(T, steps, warmup, generator, train_chunk_rows), **(overrides or {})}
     engine = Engine(config, model=model, tokenizer=tokenizer, rewards=[length_reward], dataset=dataset())
     ends: list[float] = []
     original = Engine._optimizer_step
@@ -234,10 +246,13 @@ def table(tokens: list[int]) -> str:
                 f"{T:>5} {name:<22} {r['step_s']:>7.2f} {r['generate_s']:>9.2f} {r['score_s']:>7.3f} "
                 f"{r['train_s']:>7.2f} {tps:>8.0f} {r['peak_gib']:>9.2f} {r['mean_length']:>6.0f}"
             )
-        if "ours" in runs and "trl" in runs and "error" not in runs["ours"] and "error" not in runs["trl"]:
-            o, t = runs["ours"], runs["trl"]
+        t = runs.get("trl", {})
+        for name, o in runs.items():
+            if not name.startswith("ours") or "error" in o or not t or "error" in t:
+                continue
+            label = f"TRL / {name}"
             lines.append(
-                f"{T:>5} {'TRL / ours':<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
+                f"{T:>5} {label:<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
                 f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {o['peak_gib'] / t['peak_gib']:>8.2f}* "
             )
     lines.append("\n* peak memory ratio is ours / TRL (lower is better); time ratios are TRL / ours.")
@@ -257,6 +272,12 @@ def main() -> None:
     parser.add_argument("--generator", default="static", help="the Engine's generator (static, transformers)")
     parser.add_argument("--generator-params", default="{}", help="JSON params of the generator")
     parser.add_argument("--train-chunk-rows", type=int, default=None, help="the Engine's train_chunk_rows")
+    parser.add_argument(
+        "--ours-variants",
+        default=None,
+        help='JSON {"name": {config overrides}, ...}: run the Engine once per entry (named "ours<name>") '
+        'instead of once; e.g. \'{"": {}, " c16": {"train_chunk_rows": 16}}\'',
+    )
     args = parser.parse_args()
     import json
 
@@ -264,13 +285,15 @@ def main() -> None:
     RESULTS["torch"] = torch.__version__
     RESULTS["args"] = vars(args)
     generator = {"name": args.generator, "params": json.loads(args.generator_params)}
+    variants: dict[str, dict[str, Any]] = json.loads(args.ours_variants) if args.ours_variants else {"": {}}
+    runs = [(f"ours{v}", o) if f == "ours" else (f, {}) for f in args.frameworks for v, o in (variants.items() if f == "ours" else [("", {})])]
     for T in args.tokens:
-        for name in args.frameworks:
+        for name, overrides in runs:
             log(f"== {name} T={T}")
             try:
                 _reset_accelerate()
-                if name == "ours":
-                    r = run_ours(T, args.steps, args.warmup, generator, args.train_chunk_rows)
+                if name.startswith("ours"):
+                    r = run_ours(T, args.steps, args.warmup, generator, args.train_chunk_rows, overrides)
                 else:
                     r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup)
             except Exception as exc:

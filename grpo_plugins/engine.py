@@ -261,12 +261,32 @@ class Engine:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
+        # On CUDA the fused kernel: one launch per step and no parameter-sized temporaries (the
+        # default multi-tensor path allocates some, which set the peak memory of a small model).
+        fused = True if acc.device.type == "cuda" else None
         optimizer = torch.optim.AdamW(
-            groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon
+            groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused
         )
         # The scheduler is not prepared: accelerate would step it once per process.
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.unwrapped = acc.unwrap_model(self.model)
+        self.compiled_layers = self._compile_layers()
+        self._chunk_fn = self.compiled_layers.chunk_logps if self.compiled_layers is not None else None
+
+    def _compile_layers(self) -> Any:
+        """The decoder layers' compiled forwards for the training and log-prob passes, or None."""
+        from grpo_plugins.compiled_layers import CompiledLayers
+
+        on_cuda = self.accelerator.device.type == "cuda"
+        wanted = self.config.compile_layers
+        if not (on_cuda if wanted is None else wanted):
+            return None
+        # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
+        # same graphs without needing a C++ compiler (what the CPU tests exercise).
+        return CompiledLayers.for_model(self.unwrapped, backend="inductor" if on_cuda else "aot_eager")
+
+    def _layers(self) -> contextlib.AbstractContextManager[None]:
+        return self.compiled_layers.active() if self.compiled_layers is not None else contextlib.nullcontext()
 
     def _build_components(self) -> None:
         from grpo_plugins.objective import resolve_component
@@ -668,7 +688,7 @@ class Engine:
 
         T = rollout.loss_mask.shape[1]
         out = torch.zeros_like(rollout.loss_mask)  # (L, T)
-        with torch.no_grad(), self.accelerator.autocast():
+        with torch.no_grad(), self.accelerator.autocast(), self._layers():
             for step in steps[: self.plan.steps_per_generation]:
                 # Trimmed per micro-batch, as in the training step, so each row sees the same input.
                 ids, att, t = _trim(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T)
@@ -676,7 +696,7 @@ class Engine:
                 for c in row_chunks(ids.shape[0], self.config.train_chunk_rows):
                     logps, _ = completion_logps(
                         model, ids[c], att[c], t, temperature=self.config.temperature,
-                        chunk_size=self.config.logprob_chunk_size,
+                        chunk_size=self.config.logprob_chunk_size, chunk_fn=self._chunk_fn,
                     )  # (b, t)
                     rows[c, :t] = logps.float()
         return out
@@ -727,7 +747,8 @@ class Engine:
             settings = self.loss_settings
             if len(chunks) > 1:
                 settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
-            with sync:
+            # Backward inside _layers() too: activation checkpointing recomputes the layers then.
+            with sync, self._layers():
                 with acc.autocast():
                     logps, entropy = completion_logps(
                         self.model,
@@ -737,6 +758,7 @@ class Engine:
                         temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size,
                         with_entropy=True,
+                        chunk_fn=self._chunk_fn,
                     )  # (b, t) (b, t)
                     loss, chunk_metrics = compute_loss(
                         logps,

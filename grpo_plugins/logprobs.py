@@ -18,6 +18,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+#: Computes one chunk: (hidden (N, H), targets (N,), head, transform, with_entropy) ->
+#: (log-probs (N,), entropy (N,)); :func:`chunk_logps` or a compiled version of it.
+ChunkFn = Callable[[Tensor, Tensor, torch.nn.Module, Callable[[Tensor], Tensor], bool], tuple[Tensor, Tensor]]
+
 #: Wrappers whose forward must run (DDP's gradient bookkeeping, FSDP's unsharding).
 _WRAPPER_TYPES: tuple[type, ...] = (
     torch.nn.parallel.DistributedDataParallel,
@@ -69,7 +73,7 @@ def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
     return transform
 
 
-def _chunk_logps(
+def chunk_logps(
     hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform: Callable[[Tensor], Tensor],
     with_entropy: bool,
 ) -> tuple[Tensor, Tensor]:
@@ -98,6 +102,7 @@ def chunked_selective_logps(
     *,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    chunk_fn: ChunkFn | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``targets`` under ``transform(head(hidden))``, a chunk at a time.
 
@@ -108,10 +113,13 @@ def chunked_selective_logps(
         transform: applied to each chunk's float32 logits (scaling, soft-capping, temperature).
         chunk_size: rows x tokens per chunk.
         with_entropy: also return the (detached) entropy of each position's distribution.
+        chunk_fn: computes one chunk (default :func:`chunk_logps`; a compiled version of it
+            fuses the log-softmax, gather and entropy without (N, V) temporaries).
 
     Returns:
         (B, T) float32 log-probs and (B, T) entropy or None.
     """
+    fn = chunk_fn or chunk_logps
     if chunk_size < 1:
         raise ValueError("chunk_size must be at least 1")
     B, T, H = hidden.shape
@@ -123,9 +131,9 @@ def chunked_selective_logps(
         h = flat_hidden[start : start + chunk_size]
         t = flat_targets[start : start + chunk_size]
         if recompute:
-            lp, ent = checkpoint(_chunk_logps, h, t, head, transform, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(fn, h, t, head, transform, with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logps(h, t, head, transform, with_entropy)
+            lp, ent = fn(h, t, head, transform, with_entropy)
         logps.append(lp)
         entropies.append(ent)
     logp = torch.cat(logps).reshape(B, T) if logps else hidden.new_zeros(B, T, dtype=torch.float32)
@@ -143,6 +151,7 @@ def _completion_logps_unwrapped(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
+    chunk_fn: ChunkFn | None,
 ) -> tuple[Tensor, Tensor | None]:
     lm = _causal_lm(model)
     decoder = model.get_decoder()
@@ -164,6 +173,7 @@ def _completion_logps_unwrapped(
         _logit_transform(lm, temperature),
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        chunk_fn=chunk_fn,
     )
 
 
@@ -176,6 +186,7 @@ def completion_logps(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    chunk_fn: ChunkFn | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropy) of the last ``logits_to_keep`` tokens of each row.
 
@@ -188,6 +199,7 @@ def completion_logps(
         chunk_size: rows x tokens per chunk of the log-softmax (memory: chunk_size x vocab).
         with_entropy: also return the entropy of each position's sampling distribution
             (detached: a metric).
+        chunk_fn: computes one chunk of the log-softmax (see :func:`chunked_selective_logps`).
 
     Returns:
         (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model).
@@ -204,7 +216,7 @@ def completion_logps(
             f"logits_to_keep={logits_to_keep} must be in [1, {input_ids.shape[1]}): at least one "
             "prompt token must precede the completion"
         )
-    args = (logits_to_keep, temperature, chunk_size, with_entropy)
+    args = (logits_to_keep, temperature, chunk_size, with_entropy, chunk_fn)
     if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
         return _completion_logps_unwrapped(model, input_ids, attention_mask, *args)
 

@@ -1,0 +1,148 @@
+"""Where a GRPO step of this project's Engine spends its time and memory (issue 7 workload).
+
+    python bench/profile_step.py --tokens 256 --train-chunk-rows 16 --profile
+
+For each phase (generation, each micro-step, the optimizer step) it records, per step: GPU memory
+allocated before, the phase's own peak, allocated after; the wall time (CUDA-synchronised) and the
+host time until the phase returned (before synchronising: the Python/launch cost). With
+``--profile`` one micro-step after the warm-up runs under ``torch.profiler`` and the op tables
+(by self CPU time and by device time) are written to ``$OUT/profile_T{T}.txt``. Writes
+``$OUT/profile_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import DEVICE, build_model, gib, length_reward, load_tokenizer, median, out_dir, reset_peak, sync, write_json  # noqa: E402
+from bench.bench_grpo import _reset_accelerate, dataset, ours_config  # noqa: E402
+
+
+def _instrument(record: list[dict[str, Any]], phase: str, fn: Any, profile_at: int | None = None) -> Any:
+    calls = {"n": 0}
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        sync()
+        before = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        prof = None
+        if profile_at is not None and calls["n"] == profile_at:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+            )
+            prof.__enter__()
+        out = fn(*args, **kwargs)
+        host = time.perf_counter() - t0
+        sync()
+        wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            record.append({"phase": phase, "profile": prof})
+        calls["n"] += 1
+        record.append(
+            {
+                "phase": phase,
+                "call": calls["n"] - 1,
+                "before_gib": gib(before),
+                "peak_gib": gib(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" else 0.0,
+                "after_gib": gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else 0.0,
+                "wall_s": wall,
+                "host_s": host,
+            }
+        )
+        return out
+
+    return wrapper
+
+
+def run(T: int, steps: int, warmup: int, generator: dict[str, Any], chunk_rows: int | None, profile: bool) -> dict[str, Any]:
+    from grpo_plugins.engine import Engine
+
+    record: list[dict[str, Any]] = []
+    config = ours_config(T, steps, warmup, generator, chunk_rows)
+    engine = Engine(config, model=build_model(seed=0), tokenizer=load_tokenizer(), rewards=[length_reward], dataset=dataset())
+    build = engine._build_components
+
+    def build_and_instrument() -> None:  # the generator exists once the engine is set up
+        build()
+        engine.generator.generate = _instrument(record, "generate", engine.generator.generate)
+
+    engine._build_components = build_and_instrument  # type: ignore[method-assign]
+    engine._micro_step = _instrument(record, "micro_step", engine._micro_step, warmup if profile else None)
+    engine._optimizer_step = _instrument(record, "optimizer_step", engine._optimizer_step)
+    reset_peak()
+    engine.train()
+    tables = ""
+    rows = []
+    for r in record:
+        if "profile" in r:
+            averages = r["profile"].key_averages()
+            tables += f"== T={T} chunk_rows={chunk_rows}: by self CPU time\n"
+            tables += averages.table(sort_by="self_cpu_time_total", row_limit=30)
+            tables += f"\n== T={T} chunk_rows={chunk_rows}: by device time\n"
+            tables += averages.table(sort_by="self_cuda_time_total" if DEVICE == "cuda" else "cpu_time_total", row_limit=25)
+        else:
+            rows.append(r)
+    if tables:
+        path = out_dir() / f"profile_T{T}_c{chunk_rows}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tables)
+    summary = {}
+    for phase in ("generate", "micro_step", "optimizer_step"):
+        measured = [r for r in rows if r["phase"] == phase][warmup:]
+        summary[phase] = {k: median([r[k] for r in measured]) for k in ("before_gib", "peak_gib", "after_gib", "wall_s", "host_s")}
+    del engine
+    return {"summary": summary, "calls": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--train-chunk-rows", type=int, nargs="+", default=[0], help="0: no row chunks")
+    parser.add_argument("--generator-params", default="{}")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--optimizer-impl", choices=["engine", "foreach"], default="engine", help="foreach: force AdamW's multi-tensor path")
+    args = parser.parse_args()
+    if args.optimizer_impl == "foreach":
+        adamw = torch.optim.AdamW
+
+        def foreach_adamw(*a: Any, **k: Any) -> Any:
+            return adamw(*a, **{**k, "fused": None, "foreach": True})
+
+        torch.optim.AdamW = foreach_adamw  # type: ignore[misc,assignment]
+    generator = {"name": "static", "params": json.loads(args.generator_params)}
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "args": vars(args)}
+    for T in args.tokens:
+        for c in args.train_chunk_rows:
+            _reset_accelerate()
+            key = f"T{T}_c{c}"
+            out = run(T, args.steps, args.warmup, generator, c or None, args.profile)
+            results[key] = out
+            write_json(out_dir() / "profile_step.json", results)
+            print(f"== {key}")
+            for phase, s in out["summary"].items():
+                print(
+                    f"  {phase:<15} wall {s['wall_s']:.3f} s  host {s['host_s']:.3f} s  "
+                    f"mem before {s['before_gib']:.2f}  peak {s['peak_gib']:.2f}  after {s['after_gib']:.2f} GiB",
+                    flush=True,
+                )
+            reset_peak()
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,7 @@ import os
 import resource
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,8 +285,31 @@ class Engine:
         # same graphs without needing a C++ compiler (what the CPU tests exercise).
         return CompiledLayers.for_model(self.unwrapped, backend="inductor" if on_cuda else "aot_eager")
 
-    def _layers(self) -> contextlib.AbstractContextManager[None]:
-        return self.compiled_layers.active() if self.compiled_layers is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _layers(self) -> Iterator[None]:
+        """The compiled layers inside the block (when on); a compilation failure becomes one
+        clear error instead of torch.compile's traceback."""
+        if self.compiled_layers is None:
+            yield
+            return
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            with self.compiled_layers.active():
+                yield
+        except TorchDynamoException as exc:
+            cause: BaseException = exc
+            while True:  # down to the backend's own error (BackendCompilerFailed wraps it)
+                inner = getattr(cause, "inner_exception", None) or cause.__cause__
+                if not isinstance(inner, BaseException):
+                    break
+                cause = inner
+            text = str(cause).strip()
+            reason = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
+            raise TrainingError(
+                f"compile_layers: torch.compile failed on this model ({reason}); "
+                "set compile_layers: false to train without compiling"
+            ) from exc
 
     def _build_components(self) -> None:
         from grpo_plugins.objective import resolve_component

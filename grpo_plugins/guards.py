@@ -120,7 +120,10 @@ def out_of_memory_advice(config: GRPOConfig, phase: str) -> list[str]:
             length,
             f"per_device_train_batch_size ({c.per_device_train_batch_size})",
         ]
-    advice = [batch, length, chunk]
+    rows = c.train_chunk_rows
+    suggestion = max(1, (rows or c.per_device_train_batch_size) // 4)
+    chunk_rows = f"train_chunk_rows ({rows}; e.g. {suggestion}: that many rows per forward+backward, same results)"
+    advice = [chunk_rows, batch, length, chunk] if suggestion < c.per_device_train_batch_size else [batch, length, chunk]
     if phase == "training" and not c.gradient_checkpointing:
         advice.append("gradient_checkpointing (set it to true)")
     if phase == "training" and c.lora is None:

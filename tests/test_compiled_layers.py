@@ -102,7 +102,7 @@ def test_compile_layers_config_default_is_auto() -> None:
 
 
 def _train(tiny_model: dict, tmp_path: Path, compile_layers: bool, settings: dict[str, Any]) -> tuple[Any, list, Any]:
-    model, tok = load_model(tiny_model, dtype="float32", seed=0, gradient_checkpointing=True)
+    model, tok = load_model(tiny_model, dtype="float32", seed=0, gradient_checkpointing=True, lora=settings.get("lora"))
     out = tmp_path / f"out-{compile_layers}"
     cfg = {
         "model": tiny_model,
@@ -126,7 +126,11 @@ def _train(tiny_model: dict, tmp_path: Path, compile_layers: bool, settings: dic
     return model, read_metrics(out), engine.compiled_layers
 
 
-@pytest.mark.parametrize("settings", [{}, {"train_chunk_rows": 3, "beta": 0.1}], ids=["whole", "chunks+ref"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"train_chunk_rows": 3, "beta": 0.1}, {"lora": {"r": 4}, "beta": 0.1}],
+    ids=["whole", "chunks+ref", "lora+ref"],
+)
 def test_engine_with_compiled_layers_trains_like_eager(tiny_model: dict, tmp_path: Path, settings: dict) -> None:
     torch._dynamo.reset()
     eager, eager_log, none = _train(tiny_model, tmp_path, False, settings)
@@ -141,3 +145,21 @@ def test_engine_with_compiled_layers_trains_like_eager(tiny_model: dict, tmp_pat
         for key in ("loss", "grad_norm", "entropy", *(("kl",) if "beta" in settings else ())):
             assert c[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), key
     assert any(r["grad_norm"] > 0 for r in eager_log)
+
+
+def test_a_compilation_failure_is_one_clear_error(tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpo_plugins import compiled_layers
+    from grpo_plugins.errors import GRPOPluginsError
+
+    def broken_backend(graph: Any, example_inputs: Any) -> Any:
+        raise RuntimeError("Cannot find a working triton installation")
+
+    original = compiled_layers.CompiledLayers.__init__
+
+    def init(self: Any, layers: Any, backend: Any = "inductor") -> None:
+        original(self, layers, backend=broken_backend)
+
+    monkeypatch.setattr(compiled_layers.CompiledLayers, "__init__", init)
+    torch._dynamo.reset()
+    with pytest.raises(GRPOPluginsError, match="compile_layers: torch.compile failed .*triton.*compile_layers: false"):
+        _train(tiny_model, tmp_path, True, {})

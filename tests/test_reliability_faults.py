@@ -143,7 +143,8 @@ def test_oom_during_training_names_the_settings(tiny_model: dict, tmp_path: Path
     message = str(info.value)
     assert "out of device memory during training of optimizer step 2" in message
     for knob in ("per_device_train_batch_size (4;", "gradient_accumulation_steps", "max_completion_length (5)",
-                 "logprob_chunk_size (1024)", "gradient_checkpointing (set it to true)"):
+                 "logprob_chunk_size (1024)", "gradient_checkpointing (set it to true)",
+                 "train_chunk_rows (None; e.g. 1:"):
         assert knob in message, knob
     _assert_checkpoint_intact(tmp_path / "out", 1)
 

@@ -286,7 +286,12 @@ def main() -> None:
     RESULTS["args"] = vars(args)
     generator = {"name": args.generator, "params": json.loads(args.generator_params)}
     variants: dict[str, dict[str, Any]] = json.loads(args.ours_variants) if args.ours_variants else {"": {}}
-    runs = [(f"ours{v}", o) if f == "ours" else (f, {}) for f in args.frameworks for v, o in (variants.items() if f == "ours" else [("", {})])]
+    runs: list[tuple[str, dict[str, Any]]] = []  # (name, the Engine's config overrides)
+    for framework in args.frameworks:
+        if framework == "ours":
+            runs += [(f"ours{suffix}", overrides) for suffix, overrides in variants.items()]
+        else:
+            runs.append((framework, {}))
     for T in args.tokens:
         for name, overrides in runs:
             log(f"== {name} T={T}")

@@ -16,18 +16,12 @@ from typing import TYPE_CHECKING, Any
 from grpo_plugins.config import ConfigError, GRPOConfig, load_config
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.hookspecs import hookimpl
-from grpo_plugins.registry import (
-    Registry,
-    get_registry,
-    importance_sampling,
-    loss_type,
-    register,
-    reward,
-    reward_scaling,
-    rollout_correction,
-    generator,
-    task,
-)
+from grpo_plugins.kinds import completion_text
+from grpo_plugins.registry import DECORATORS, Registry, get_registry, register
+
+# One registering decorator per component kind (@grpo_plugins.reward("name"), ...), from the
+# table of kinds.
+globals().update(DECORATORS)
 
 __version__ = "0.1.0"
 
@@ -39,6 +33,15 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from grpo_plugins.registry import Decorator
+
+    reward: Decorator
+    loss_type: Decorator
+    importance_sampling: Decorator
+    reward_scaling: Decorator
+    rollout_correction: Decorator
+    generator: Decorator
+    task: Decorator
     from grpo_plugins.advantages import compute_advantages
     from grpo_plugins.engine import Engine
     from grpo_plugins.objective import compute_loss
@@ -57,18 +60,13 @@ __all__ = [
     "GRPOConfig",
     "GRPOPluginsError",
     "Registry",
+    "completion_text",
     "compute_advantages",
     "compute_loss",
-    "generator",
     "get_registry",
     "hookimpl",
-    "importance_sampling",
     "load_config",
-    "loss_type",
     "register",
-    "reward",
-    "reward_scaling",
-    "rollout_correction",
-    "task",
     "validate_config",
+    *DECORATORS,
 ]

@@ -195,6 +195,13 @@ def save_checkpoint(
     return final
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -176,6 +176,91 @@ def load_prompts(config: GRPOConfig, registry: Registry) -> tuple[datasets.Datas
     return dataset, task
 
 
+#: Prompts checked up front by :func:`check_prompt_lengths`; larger datasets are checked as
+#: their prompts are reached.
+PROMPT_CHECK_LIMIT = 50_000
+
+
+def prepare_dataset(
+    config: GRPOConfig, registry: Registry, tokenizer: Any, dataset: Any = None
+) -> tuple[datasets.Dataset, Any | None, str]:
+    """The prompts a run trains on, checked: (dataset, built task or None, prompt column).
+
+    ``dataset`` (a ``datasets.Dataset``, a list of row dicts or a mapping of columns) replaces
+    the config's data. The prompts must encode within ``max_prompt_length`` (with
+    ``prompt_truncation: error``).
+    """
+    from grpo_plugins.errors import TrainingError
+
+    task = None
+    column = config.dataset.prompt_column if config.dataset is not None else "prompt"
+    if dataset is not None:
+        import datasets
+
+        if isinstance(dataset, list):
+            dataset = datasets.Dataset.from_list(dataset)
+        elif isinstance(dataset, Mapping):
+            dataset = datasets.Dataset.from_dict(dict(dataset))
+    else:
+        dataset, task = load_prompts(config, registry)
+        if column not in dataset.column_names and "prompt" in dataset.column_names:
+            column = "prompt"
+    if column not in dataset.column_names:
+        raise TrainingError(
+            f"the dataset has no '{column}' column (columns: {', '.join(dataset.column_names)}); "
+            "name the prompt column with dataset.prompt_column"
+        )
+    if len(dataset) == 0:
+        raise TrainingError("the dataset is empty")
+    check_prompt_lengths(
+        tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation
+    )
+    return dataset, task, column
+
+
+def check_prompt_lengths(
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    *,
+    max_prompt_length: int | None,
+    truncation: str,
+    limit: int = PROMPT_CHECK_LIMIT,
+) -> None:
+    """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
+    ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
+    if max_prompt_length is None or truncation != "error":
+        return
+    n = min(len(prompts), limit)
+    too_long: list[tuple[int, int]] = []  # (row, tokens)
+    chunk = 256
+    for start in range(0, n, chunk):
+        batch = list(prompts[start : min(n, start + chunk)])  # one slice: fast on a datasets Column
+        try:
+            encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
+        except DataError:
+            _raise_with_row(tokenizer, batch, start)
+            raise
+        too_long += [(start + i, len(ids)) for i, ids in enumerate(encoded) if len(ids) > max_prompt_length]
+    if too_long:
+        shown = ", ".join(f"{i} ({t} tokens)" for i, t in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        longest = max(t for _, t in too_long)
+        raise PromptTooLongError(
+            f"{len(too_long)} prompt(s) of the data are longer than max_prompt_length={max_prompt_length}: "
+            f"rows {shown}{more}. Raise max_prompt_length to {longest}, set prompt_truncation: left "
+            "(keeps the last tokens), or drop those rows"
+        )
+
+
+def _raise_with_row(tokenizer: Any, batch: list[Any], start: int) -> None:
+    """Re-raise the DataError of the prompt in ``batch`` that cannot be encoded, with its row."""
+    for i, prompt in enumerate(batch):
+        try:
+            encode_prompts(tokenizer, [prompt], max_prompt_length=None, truncation="error")
+        except DataError as exc:
+            raise type(exc)(str(exc).replace("prompt 0 ", f"prompt {start + i} ", 1)) from None
+
+
 # -- encoding -------------------------------------------------------------------------------------
 
 

@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class GRPOPluginsError(Exception):
     """A mistake in a config, a plugin or the input data, with a message that says what to do."""
+
+
+class TrainingError(GRPOPluginsError):
+    """The run cannot start or continue as configured."""

@@ -1,6 +1,7 @@
 """Failure handling of a training run, in one place.
 
-The engine asks this module three things:
+The engine asks this module two things (the prompt-length check before the first step is
+:func:`grpo_plugins.data.check_prompt_lengths`):
 
 * :meth:`RunGuard.phase` -- a ``with`` block around generation, log-prob passes and training
   that turns a device out-of-memory error into :class:`DeviceOutOfMemoryError` (which phase,
@@ -12,8 +13,6 @@ The engine asks this module three things:
   ``on_nonfinite: stop`` the run stops with :class:`NonFiniteError` (step number and the
   component that produced the value); with ``skip`` the optimizer step is skipped. Either way
   nothing non-finite reaches the weights.
-* :func:`check_prompt_lengths` -- every prompt of the data fits ``max_prompt_length``, checked
-  before the first step rather than when a long prompt is reached hours into the run.
 """
 
 from __future__ import annotations
@@ -41,15 +40,11 @@ __all__ = [
     "NonFiniteError",
     "PluginRuntimeError",
     "RunGuard",
-    "check_prompt_lengths",
     "is_out_of_memory",
     "out_of_memory_advice",
     "raising_component",
 ]
 
-#: Prompts checked up front by :func:`check_prompt_lengths`; larger datasets are checked as
-#: their prompts are reached.
-PROMPT_CHECK_LIMIT = 50_000
 
 
 class NonFiniteError(GRPOPluginsError):
@@ -347,50 +342,3 @@ class RunGuard:
     def _record_skip(self, step: int, component: str) -> None:
         if not self.skipped or self.skipped[-1][0] != step:
             self.skipped.append((step, component))
-
-
-def check_prompt_lengths(
-    tokenizer: Any,
-    prompts: Sequence[Any],
-    *,
-    max_prompt_length: int | None,
-    truncation: str,
-    limit: int = PROMPT_CHECK_LIMIT,
-) -> None:
-    """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
-    ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
-    from grpo_plugins.data import DataError, PromptTooLongError, encode_prompts
-
-    if max_prompt_length is None or truncation != "error":
-        return
-    n = min(len(prompts), limit)
-    too_long: list[tuple[int, int]] = []  # (row, tokens)
-    chunk = 256
-    for start in range(0, n, chunk):
-        batch = list(prompts[start : min(n, start + chunk)])  # one slice: fast on a datasets Column
-        try:
-            encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
-        except DataError:
-            _raise_with_row(tokenizer, batch, start)
-            raise
-        too_long += [(start + i, len(ids)) for i, ids in enumerate(encoded) if len(ids) > max_prompt_length]
-    if too_long:
-        shown = ", ".join(f"{i} ({t} tokens)" for i, t in too_long[:5])
-        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
-        longest = max(t for _, t in too_long)
-        raise PromptTooLongError(
-            f"{len(too_long)} prompt(s) of the data are longer than max_prompt_length={max_prompt_length}: "
-            f"rows {shown}{more}. Raise max_prompt_length to {longest}, set prompt_truncation: left "
-            "(keeps the last tokens), or drop those rows"
-        )
-
-
-def _raise_with_row(tokenizer: Any, batch: list[Any], start: int) -> None:
-    """Re-raise the DataError of the prompt in ``batch`` that cannot be encoded, with its row."""
-    from grpo_plugins.data import DataError, encode_prompts
-
-    for i, prompt in enumerate(batch):
-        try:
-            encode_prompts(tokenizer, [prompt], max_prompt_length=None, truncation="error")
-        except DataError as exc:
-            raise type(exc)(str(exc).replace("prompt 0 ", f"prompt {start + i} ", 1)) from None

@@ -1,4 +1,4 @@
-"""The hooks a grpo-plugins plugin may implement.
+"""The hooks a grpo-plugins plugin may implement: one registration hook per component kind.
 
 A plugin is a module (named by an entry point in the ``grpo_plugins`` group) that implements
 one or more of these hooks, each decorated with ``@grpo_plugins.hookimpl``. Every hook receives a
@@ -16,13 +16,24 @@ for what each kind must provide), ``name`` defaults to ``obj.name`` or ``obj.__n
 to the first paragraph of its docstring. A component that declares a pydantic model as
 ``obj.Params`` receives its validated parameters when it is built.
 
-The hooks are called once, when the registry is first used. A hook that raises marks its plugin
-as broken (shown by ``grpo-plugins list``); the other plugins keep working.
+The hooks are called through pluggy when the registry is first used (all installed plugins in
+one call per hook, so ``tryfirst``/``trylast`` and ``wrapper=True`` implementations work), and
+for a plugin added later when it is added. A hook that raises, a ``@hookimpl`` whose name is no
+hook (``register_reward``), or a hook function without ``@hookimpl`` marks its plugin as broken
+(shown by ``grpo-plugins list``); the other plugins keep working.
+
+The hookspecs below are generated from :data:`grpo_plugins.kinds.COMPONENT_KINDS`, the one table
+of kinds; each is ``<hook>(register)`` with the kind's documentation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pluggy
+
+from grpo_plugins.kinds import COMPONENT_KINDS, ComponentKind
 
 PROJECT = "grpo_plugins"
 
@@ -30,58 +41,16 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-@hookspec
-def register_rewards(register):  # type: ignore[no-untyped-def]
-    """Register reward functions (kind ``reward``).
+def _hookspec(kind: ComponentKind) -> Callable[..., Any]:
+    def spec(register):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        """(replaced by the kind's hook_doc)"""
 
-    A reward is called as ``fn(prompts, completions, completion_ids=..., **dataset_columns)`` and
-    returns one ``float`` or ``None`` ("not applicable") per completion, exactly as in TRL.
-    """
-
-
-@hookspec
-def register_loss_types(register):  # type: ignore[no-untyped-def]
-    """Register loss types (kind ``loss_type``): how the per-token loss is formed and reduced.
-
-    See :class:`grpo_plugins.kinds.LossType`.
-    """
+    spec.__name__ = spec.__qualname__ = kind.hook
+    spec.__doc__ = kind.hook_doc
+    spec.__module__ = __name__
+    return hookspec(spec)
 
 
-@hookspec
-def register_importance_sampling_levels(register):  # type: ignore[no-untyped-def]
-    """Register importance-sampling levels (kind ``importance_sampling``): token, sequence, ...
-
-    See :class:`grpo_plugins.kinds.ImportanceSampling`.
-    """
-
-
-@hookspec
-def register_reward_scalings(register):  # type: ignore[no-untyped-def]
-    """Register reward scalings (kind ``reward_scaling``): combined rewards to advantages.
-
-    See :class:`grpo_plugins.kinds.RewardScaling`.
-    """
-
-
-@hookspec
-def register_rollout_corrections(register):  # type: ignore[no-untyped-def]
-    """Register rollout corrections (kind ``rollout_correction``) for sampler/trainer mismatch.
-
-    See :class:`grpo_plugins.kinds.RolloutCorrection`.
-    """
-
-
-@hookspec
-def register_generators(register):  # type: ignore[no-untyped-def]
-    """Register generation backends (kind ``generator``).
-
-    See :class:`grpo_plugins.kinds.Generator`.
-    """
-
-
-@hookspec
-def register_tasks(register):  # type: ignore[no-untyped-def]
-    """Register tasks (kind ``task``): a dataset plus its default rewards.
-
-    See :class:`grpo_plugins.kinds.Task`.
-    """
+for _kind in COMPONENT_KINDS.values():
+    globals()[_kind.hook] = _hookspec(_kind)
+del _kind

@@ -9,11 +9,14 @@ Every component has the same shape:
   else (a function) is used as it is.
 
 The base classes below document the interface of each kind; subclassing them is convenient but
-not required (a class with the right methods is enough).
+not required (a class with the right methods is enough). :data:`COMPONENT_KINDS`, at the end, is
+the one table of the kinds: the registry, the hookspecs, the decorators of ``grpo_plugins``, the
+config check and the contract checks of ``grpo_plugins.testing`` all read it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -22,17 +25,38 @@ from pydantic import BaseModel
 if TYPE_CHECKING:  # torch is imported lazily: `list` and `validate` must start in well under 1 s.
     from torch import Tensor
 
-#: The kinds of component, in the order `grpo-plugins list` shows them, with the hook that
-#: registers each.
-KINDS: dict[str, str] = {
-    "reward": "register_rewards",
-    "loss_type": "register_loss_types",
-    "importance_sampling": "register_importance_sampling_levels",
-    "reward_scaling": "register_reward_scalings",
-    "rollout_correction": "register_rollout_corrections",
-    "generator": "register_generators",
-    "task": "register_tasks",
-}
+# --------------------------------------------------------------------------------------------
+# Rewards
+# --------------------------------------------------------------------------------------------
+
+
+def reward_interface(
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """The reward contract (TRL's): one float, or None for "not applicable", per completion.
+
+    Called with keyword arguments only; a reward declares the ones it reads (or ``**kwargs``).
+    ``completions`` are strings for string prompts and ``[{"role": "assistant", "content": ...}]``
+    for conversational ones (:func:`completion_text` gives the text of either); every dataset
+    column arrives as a keyword argument holding one value per completion. Plain functions,
+    callable instances and ``async def`` all work.
+    """
+    raise NotImplementedError
+
+
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """The text of a completion as a reward receives it: the string itself, or the content of
+    the last message of a conversational completion (``[{"role": "assistant", "content": ...}]``).
+    """
+    if isinstance(completion, str):
+        return completion
+    if not completion:
+        return ""
+    content = completion[-1].get("content", "")
+    return content if isinstance(content, str) else str(content)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,12 +95,37 @@ class LossInputs:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def clipped_surrogate(inputs: LossInputs) -> Tensor:
+    """GRPO/PPO's clipped surrogate ``-min(r·A, clamp(r, 1-ε, 1+ε_high)·A)``, with the unclipped
+    ratio capped at δ when ``delta`` is set (two-sided GRPO). (B, T) or (B, 1)."""
+    import torch
+
+    ratio = inputs.ratio
+    clipped = ratio.clamp(1 - inputs.epsilon_low, 1 + inputs.epsilon_high)
+    if inputs.delta is not None:
+        ratio = ratio.clamp(max=inputs.delta)
+    return -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)
+
+
+def clip_indicators(inputs: LossInputs) -> dict[str, Tensor]:
+    """TRL's clip ratios as 0/1 values per token (or sequence): low = r < 1-ε with A < 0,
+    high = r > 1+ε_high with A > 0, region = either."""
+    ratio = inputs.ratio if inputs.delta is None else inputs.ratio.clamp(max=inputs.delta)
+    low = (ratio < 1 - inputs.epsilon_low) & (inputs.advantages < 0)
+    high = (ratio > 1 + inputs.epsilon_high) & (inputs.advantages > 0)
+    return {
+        "clip_ratio/low_mean": low.float(),
+        "clip_ratio/high_mean": high.float(),
+        "clip_ratio/region_mean": (low | high).float(),
+    }
+
+
 class LossType:
     """How the per-token policy loss is formed and reduced to a scalar (kind ``loss_type``).
 
     * ``per_token_loss`` returns the policy term, (B, T) or (B, 1), *before* the rollout
       correction and the KL term are applied; the default is GRPO's clipped surrogate
-      (:func:`grpo_plugins.objective.clipped_surrogate`).
+      (:func:`clipped_surrogate`).
     * ``reduce`` turns the final per-token loss, always (B, T), into the micro-batch's scalar
       loss, including any division by ``gradient_accumulation_steps``. Multiply by
       ``inputs.mask`` and clamp every denominator (``.clamp(min=1.0)``): an all-masked batch
@@ -90,16 +139,12 @@ class LossType:
     Params: ClassVar[type[BaseModel] | None] = None
 
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
-        from grpo_plugins.objective import clipped_surrogate
-
         return clipped_surrogate(inputs)
 
     def reduce(self, per_token_loss: Tensor, inputs: LossInputs) -> Tensor:
         raise NotImplementedError
 
     def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
-        from grpo_plugins.objective import clip_indicators
-
         return clip_indicators(inputs)
 
 
@@ -182,6 +227,9 @@ class Generator:
     #: True when it samples with the trained model itself, so no sampler/trainer mismatch
     #: correction is needed (``vllm_importance_sampling_correction: auto`` stays off).
     samples_from_policy: ClassVar[bool] = True
+    #: The run's registry, set by the engine before ``setup``: a backend that builds another
+    #: generator (a fallback) builds it from there, so ``disable_plugins`` applies to it too.
+    registry: Any = None
 
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
@@ -212,3 +260,86 @@ class Task:
 
     def load(self, seed: int) -> Any:
         raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# The table of kinds
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComponentKind:
+    """One kind of component and everything the core needs to know about it.
+
+    Attributes:
+        name: the kind's name (``grpo-plugins list --kind``, ``register(kind, ...)``).
+        hook: the registration hook a plugin implements for it.
+        hook_doc: that hook's documentation (the hookspec's docstring).
+        interface: what a component implements: a class of this module, or for rewards the
+            call signature :func:`reward_interface`.
+        config_field: the run-config field that names the run's component(s) of this kind.
+        contract_check: ``module:function`` of the behaviour check run by
+            :func:`grpo_plugins.testing.check_component` (imported only when checking).
+    """
+
+    name: str
+    hook: str
+    hook_doc: str
+    interface: type | Callable[..., Any]
+    config_field: str
+    contract_check: str
+
+
+_CHECKS = "grpo_plugins.testing.contracts"
+
+#: The kinds of component, in the order `grpo-plugins list` shows them.
+COMPONENT_KINDS: dict[str, ComponentKind] = {
+    k.name: k
+    for k in (
+        ComponentKind(
+            "reward", "register_rewards",
+            "Register reward functions (kind ``reward``).\n\n"
+            "A reward is called as ``fn(prompts, completions, completion_ids=..., **dataset_columns)`` and\n"
+            "returns one ``float`` or ``None`` (\"not applicable\") per completion, exactly as in TRL.",
+            reward_interface, "rewards", f"{_CHECKS}:check_reward",
+        ),
+        ComponentKind(
+            "loss_type", "register_loss_types",
+            "Register loss types (kind ``loss_type``): how the per-token loss is formed and reduced.\n\n"
+            "See :class:`grpo_plugins.kinds.LossType`.",
+            LossType, "loss_type", f"{_CHECKS}:check_loss_type",
+        ),
+        ComponentKind(
+            "importance_sampling", "register_importance_sampling_levels",
+            "Register importance-sampling levels (kind ``importance_sampling``): token, sequence, ...\n\n"
+            "See :class:`grpo_plugins.kinds.ImportanceSampling`.",
+            ImportanceSampling, "importance_sampling_level", f"{_CHECKS}:check_importance_sampling",
+        ),
+        ComponentKind(
+            "reward_scaling", "register_reward_scalings",
+            "Register reward scalings (kind ``reward_scaling``): combined rewards to advantages.\n\n"
+            "See :class:`grpo_plugins.kinds.RewardScaling`.",
+            RewardScaling, "scale_rewards", f"{_CHECKS}:check_reward_scaling",
+        ),
+        ComponentKind(
+            "rollout_correction", "register_rollout_corrections",
+            "Register rollout corrections (kind ``rollout_correction``) for sampler/trainer mismatch.\n\n"
+            "See :class:`grpo_plugins.kinds.RolloutCorrection`.",
+            RolloutCorrection, "rollout_correction", f"{_CHECKS}:check_rollout_correction",
+        ),
+        ComponentKind(
+            "generator", "register_generators",
+            "Register generation backends (kind ``generator``).\n\nSee :class:`grpo_plugins.kinds.Generator`.",
+            Generator, "generator", f"{_CHECKS}:check_generator",
+        ),
+        ComponentKind(
+            "task", "register_tasks",
+            "Register tasks (kind ``task``): a dataset plus its default rewards.\n\n"
+            "See :class:`grpo_plugins.kinds.Task`.",
+            Task, "task", f"{_CHECKS}:check_task",
+        ),
+    )
+}
+
+#: Each kind's registration hook (derived from :data:`COMPONENT_KINDS`).
+KINDS: dict[str, str] = {k.name: k.hook for k in COMPONENT_KINDS.values()}

@@ -37,13 +37,12 @@ def reward_metrics(
     """
     import torch
 
+    from grpo_plugins.advantages import combine_rewards, nan_std
+
     r = rewards_per_func.detach().double().cpu()  # (N, K)
-    w = torch.tensor(weights, dtype=r.dtype)
-    scored = ~torch.isnan(r).all(dim=1)  # (N,)
-    combined = (r * w).nansum(dim=1)  # (N,)
-    combined = torch.where(scored, combined, torch.full_like(combined, float("nan")))
+    combined = combine_rewards(r, weights)  # (N,) NaN where no reward applies
     groups = combined.view(-1, num_generations)  # (N/G, G)
-    group_std = _nanstd(groups, dim=1)  # (N/G,)
+    group_std = nan_std(groups, dim=1)  # (N/G,)
     out: dict[str, float] = {
         "reward": _finite(combined.nanmean()),
         "reward_std": _finite(group_std.nanmean()),
@@ -52,7 +51,7 @@ def reward_metrics(
     for k, name in enumerate(names):
         col = r[:, k]
         out[f"rewards/{name}/mean"] = _finite(col.nanmean())
-        out[f"rewards/{name}/std"] = _finite(_nanstd(col, dim=0))
+        out[f"rewards/{name}/std"] = _finite(nan_std(col, dim=0))
     return out
 
 
@@ -73,18 +72,6 @@ def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
         "completions/clipped_ratio": float(truncated.double().mean()) if truncated.numel() else 0.0,
         "completions/mean_terminated_length": float(terminated.mean()) if terminated.numel() else 0.0,
     }
-
-
-def _nanstd(x: Tensor, dim: int) -> Tensor:
-    """NaN-aware sample standard deviation (Bessel's correction); 0 where fewer than 2 values."""
-    import torch
-
-    valid = ~torch.isnan(x)
-    n = valid.sum(dim=dim)
-    mean = x.nansum(dim=dim) / n.clamp(min=1)
-    dev = torch.where(valid, x - mean.unsqueeze(dim), torch.zeros_like(x))
-    var = (dev**2).sum(dim=dim) / (n - 1).clamp(min=1)
-    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
 
 
 def _finite(value: Any) -> float:

@@ -361,3 +361,21 @@ def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[An
         device=device,
         seed=config.seed,
     )
+
+
+def policy_and_tokenizer(config: GRPOConfig, model: Any = None, tokenizer: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model to train and its tokenizer: loaded from ``config.model``, or the given ones with
+    the config's LoRA (unless already a peft model) and gradient checkpointing applied."""
+    if model is None:
+        return load_model_and_tokenizer(config)
+    tokenizer = prepare_tokenizer(tokenizer)
+    if config.lora is not None and not hasattr(model, "peft_config"):
+        model = apply_lora(model, config.lora)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, tokenizer
+
+
+def is_peft_model(model: Any) -> bool:
+    """A peft model whose adapter can be disabled (its base model is then the reference)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

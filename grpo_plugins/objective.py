@@ -14,23 +14,20 @@ so an all-masked micro-batch gives a loss of exactly 0, a zero gradient and fini
 from __future__ import annotations
 
 import difflib
-import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel
 from torch import Tensor
 
-from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import LossInputs
-from grpo_plugins.registry import Registry, get_registry
+from grpo_plugins.registry import ComponentSpecError, Registry, get_registry, resolve_component
 
 if TYPE_CHECKING:
     from grpo_plugins.config import GRPOConfig
 
 
-class LossSettingsError(GRPOPluginsError, ValueError):
+class LossSettingsError(ComponentSpecError):
     """A setting of :func:`compute_loss` is unknown, missing or inconsistent."""
 
 
@@ -52,36 +49,24 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 IS_RATIO_PREFIX = "sampling/importance_sampling_ratio"
 
 
-def loss_settings(config: GRPOConfig) -> dict[str, Any]:
-    """The :func:`compute_loss` settings of a run config (everything but the registry)."""
-    return {key: getattr(config, key) for key in DEFAULT_SETTINGS if key != "registry"}
-
-
-# -- components ------------------------------------------------------------------------------
-
-
-def resolve_component(kind: str, spec: Any, registry: Registry | None = None) -> Any:
-    """A ready-to-use component from a name, a ``{name, params}`` mapping or ComponentRef, a
-    component class (built with default params) or an already-built object (returned as is)."""
+def loss_settings(config: GRPOConfig, registry: Registry | None = None) -> dict[str, Any]:
+    """The :func:`compute_loss` settings of a run config, its components built from ``registry``
+    (what the engine passes to every micro-step)."""
     registry = registry if registry is not None else get_registry()
-    if isinstance(spec, str):
-        return registry.build(kind, spec)
-    if isinstance(spec, Mapping):
-        extra = set(spec) - {"name", "params"}
-        if "name" not in spec or extra:
-            raise LossSettingsError(
-                f"a {kind} given as a mapping needs exactly the keys 'name' and optionally 'params'"
-                f" (got {sorted(spec)})"
-            )
-        return registry.build(kind, spec["name"], spec.get("params"))
-    if isinstance(spec, BaseModel) and hasattr(spec, "name") and hasattr(spec, "params"):
-        return registry.build(kind, spec.name, spec.params)
-    if inspect.isclass(spec):
-        params = getattr(spec, "Params", None)
-        return spec(params()) if params is not None else spec()
-    if spec is None:
-        raise LossSettingsError(f"no {kind} given; name one (see `grpo-plugins list`)")
-    return spec
+    return {
+        "loss_type": resolve_component("loss_type", config.loss_type, registry),
+        "importance_sampling_level": resolve_component("importance_sampling", config.importance_sampling_level, registry),
+        "rollout_correction": resolve_component("rollout_correction", config.rollout_correction, registry),
+        "epsilon": config.epsilon,
+        "epsilon_high": config.resolved_epsilon_high,
+        "delta": config.delta,
+        "beta": config.beta,
+        "max_completion_length": config.max_completion_length,
+        "vllm_importance_sampling_correction": config.vllm_importance_sampling_correction,
+        "vllm_importance_sampling_cap": config.vllm_importance_sampling_cap,
+        "registry": registry,
+    }
+
 
 
 def _settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -97,6 +82,9 @@ def _settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | None) -> bool:
+    # "auto" corrects exactly when the sampler is not the trained policy; a caller says so by
+    # passing the sampler's log-probs (the engine keeps them only then; see
+    # grpo_plugins.rollout.keeps_sampling_logps).
     if setting == "auto":
         return sampling_per_token_logps is not None
     if not isinstance(setting, bool):
@@ -109,32 +97,6 @@ def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | 
             " pass the sampler's log-probs or set it to 'auto' or false"
         )
     return setting
-
-
-# -- helpers for loss-type plugins -----------------------------------------------------------
-
-
-def clipped_surrogate(inputs: LossInputs) -> Tensor:
-    """GRPO/PPO's clipped surrogate ``-min(r·A, clamp(r, 1-ε, 1+ε_high)·A)``, with the unclipped
-    ratio capped at δ when ``delta`` is set (two-sided GRPO). (B, T) or (B, 1)."""
-    ratio = inputs.ratio
-    clipped = ratio.clamp(1 - inputs.epsilon_low, 1 + inputs.epsilon_high)
-    if inputs.delta is not None:
-        ratio = ratio.clamp(max=inputs.delta)
-    return -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)
-
-
-def clip_indicators(inputs: LossInputs) -> dict[str, Tensor]:
-    """TRL's clip ratios as 0/1 values per token (or sequence): low = r < 1-ε with A < 0,
-    high = r > 1+ε_high with A > 0, region = either."""
-    ratio = inputs.ratio if inputs.delta is None else inputs.ratio.clamp(max=inputs.delta)
-    low = (ratio < 1 - inputs.epsilon_low) & (inputs.advantages < 0)
-    high = (ratio > 1 + inputs.epsilon_high) & (inputs.advantages > 0)
-    return {
-        "clip_ratio/low_mean": low.float(),
-        "clip_ratio/high_mean": high.float(),
-        "clip_ratio/region_mean": (low | high).float(),
-    }
 
 
 # -- metrics ---------------------------------------------------------------------------------

@@ -1,20 +1,26 @@
 """Finding components by name: entry-point discovery, registration, duplicate and error reporting.
 
 The built-in components are found exactly like a third party's: through the entry points of
-group ``grpo_plugins``. Each entry point is loaded on its own, so a broken plugin is reported
-(``grpo-plugins list``) and only a run that uses it fails. ``GRPO_PLUGINS_STRICT=1`` makes any
-load error fatal; ``GRPO_PLUGINS_DISABLE=dist1,dist2`` skips distributions.
+group ``grpo_plugins``. Each entry point is loaded and checked on its own (its import, pluggy's
+validation, ``check_pending`` for misspelt hooks, hook functions missing ``@hookimpl``), so a
+broken plugin is reported (``grpo-plugins list``) and only a run that uses it fails. The
+registration hooks are then called through pluggy, all plugins in one call per hook, so
+``tryfirst``/``trylast`` and wrappers work; a hook that raises marks only its own plugin broken.
+``GRPO_PLUGINS_STRICT=1`` makes any load error fatal; ``GRPO_PLUGINS_DISABLE=dist1,dist2`` skips
+distributions.
 """
 
 from __future__ import annotations
 
+import contextvars
 import difflib
+import functools
 import importlib.metadata
 import inspect
 import os
 import re
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +47,10 @@ class UnknownComponentError(GRPOPluginsError, LookupError):
 
 class DuplicateComponentError(GRPOPluginsError, LookupError):
     """Two distributions register the same name for the same kind."""
+
+
+class ComponentSpecError(GRPOPluginsError, ValueError):
+    """A component given in a form that names no component (a malformed mapping, None)."""
 
 
 class ComponentBuildError(GRPOPluginsError):
@@ -141,6 +151,74 @@ class BrokenPlugin:
     traceback: str
 
 
+@dataclass(frozen=True)
+class _PluginInfo:
+    label: str
+    distribution: str
+    version: str | None
+
+
+#: The plugin whose registration hook is running (set around each hook implementation).
+_CURRENT_PLUGIN: contextvars.ContextVar[_PluginInfo] = contextvars.ContextVar("grpo_plugins_current_plugin")
+#: Where the hook implementations of the current registration call record their exceptions.
+_FAILURES: contextvars.ContextVar[dict[_PluginInfo, BaseException]] = contextvars.ContextVar("grpo_plugins_failures")
+
+
+def _attributed(fn: Callable[..., Any], info: _PluginInfo, *, wrapper: bool) -> Callable[..., Any]:
+    """``fn`` (a hook implementation of the plugin ``info``) run with ``info`` as the plugin that
+    registers; an exception is recorded as that plugin's failure (a plain implementation's is
+    swallowed, so the other plugins' hooks still run; a wrapper's propagates)."""
+    if wrapper:
+
+        @functools.wraps(fn)
+        def wrapped_generator(*args: Any, **kwargs: Any) -> Any:
+            token = _CURRENT_PLUGIN.set(info)
+            try:
+                return (yield from fn(*args, **kwargs))
+            except Exception as exc:
+                _FAILURES.get({})[info] = exc
+                raise
+            finally:
+                _CURRENT_PLUGIN.reset(token)
+
+        return wrapped_generator
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        token = _CURRENT_PLUGIN.set(info)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the plugin is marked broken with it
+            _FAILURES.get({}).setdefault(info, exc)
+            return None
+        finally:
+            _CURRENT_PLUGIN.reset(token)
+
+    return wrapped
+
+
+def hook_problems(plugin: object) -> list[str]:
+    """What keeps a plugin's hooks from being called: a ``@hookimpl`` whose name is no hook (with
+    the closest hook), a hook function without ``@hookimpl``, or no hook at all."""
+    hooks = set(KINDS.values())
+    marker = f"{hookspecs.PROJECT}_impl"
+    problems: list[str] = []
+    implemented = 0
+    for attr in dir(plugin):
+        fn = getattr(plugin, attr, None)
+        marked = getattr(fn, marker, None) is not None
+        if marked and attr not in hooks:
+            close = difflib.get_close_matches(attr, hooks, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            problems.append(f"'{attr}' is marked @hookimpl but is not a grpo-plugins hook{hint}")
+        elif not marked and attr in hooks and callable(fn):
+            problems.append(f"'{attr}' is not decorated with @grpo_plugins.hookimpl, so it is never called")
+        implemented += marked and attr in hooks
+    if not implemented and not problems:
+        problems.append("it implements no grpo-plugins hook (e.g. register_rewards)")
+    return problems
+
+
 @dataclass
 class _Loaded:
     components: dict[str, dict[str, list[Component]]] = field(
@@ -209,6 +287,7 @@ class Registry:
 
     def _load_entry_points(self) -> None:
         seen: set[tuple[str, str]] = set()
+        plugins: list[object] = []
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist is not None else "<unknown>"
             version = ep.dist.version if ep.dist is not None else None
@@ -220,25 +299,28 @@ class Registry:
             try:
                 module = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import error makes the plugin broken
-                self._mark_broken(ep.name, dist, version, exc)
+                self._mark_broken(_PluginInfo(ep.name, dist, version), exc)
                 continue
-            self.add_plugin(module, name=ep.name, distribution=dist, version=version)
+            if self._register_plugin(module, _PluginInfo(ep.name, dist, version)):
+                plugins.append(module)
+        self._call_hooks(plugins)
 
-    def _mark_broken(self, plugin: str, dist: str, version: str | None, exc: BaseException) -> None:
+    def _mark_broken(self, info: _PluginInfo, exc: BaseException | str) -> None:
+        error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         broken = BrokenPlugin(
-            plugin=plugin,
-            distribution=dist,
-            version=version,
-            error=f"{type(exc).__name__}: {exc}",
-            traceback="".join(traceback.format_exception(exc)),
+            plugin=info.label,
+            distribution=info.distribution,
+            version=info.version,
+            error=error,
+            traceback="" if isinstance(exc, str) else "".join(traceback.format_exception(exc)),
         )
         assert self._loaded is not None
         self._loaded.broken.append(broken)
         if self.strict:
             raise PluginLoadError(
-                f"plugin '{plugin}' from {dist} {version or ''} failed to load: {broken.error} "
-                "(GRPO_PLUGINS_STRICT is set)"
-            ) from exc
+                f"plugin '{info.label}' from {info.distribution} {info.version or ''} failed to load: "
+                f"{broken.error} (GRPO_PLUGINS_STRICT is set)"
+            ) from (None if isinstance(exc, str) else exc)
 
     def add_plugin(
         self,
@@ -252,34 +334,76 @@ class Registry:
         its registration hooks now. Errors mark it broken instead of raising (unless strict)."""
         _ = self._state  # load entry points first, so their components come before this one's
         label = name or getattr(plugin, "__name__", None) or repr(plugin)
+        if self._register_plugin(plugin, _PluginInfo(label, distribution, version)):
+            self._call_hooks([plugin])
+
+    def _register_plugin(self, plugin: object, info: _PluginInfo) -> bool:
+        """Register ``plugin`` with pluggy and check its hooks; False (and broken) if they are wrong."""
         try:
-            self._pm.register(plugin, name=f"{distribution}:{label}")
+            self._pm.register(plugin, name=f"{info.distribution}:{info.label}")
         except Exception as exc:  # noqa: BLE001 - e.g. pluggy.PluginValidationError
-            self._mark_broken(label, distribution, version, exc)
-            return
-        added: list[Component] = []
+            self._mark_broken(info, exc)
+            return False
+        problems = hook_problems(plugin)
         try:
-            for kind, hook_name in KINDS.items():
-                impls = [
-                    i for i in getattr(self._pm.hook, hook_name).get_hookimpls() if i.plugin is plugin
-                ]
-                if not impls:
-                    continue
-
-                def register(
-                    obj: Any, name: str | None = None, doc: str | None = None, _kind: str = kind
-                ) -> None:
-                    added.append(
-                        self._make_component(_kind, obj, name, doc, distribution, version, label)
-                    )
-
-                impls[0].function(register=register)
-        except Exception as exc:  # noqa: BLE001 - a raising hook makes the plugin broken
+            self._pm.check_pending()  # a @hookimpl for a hook that does not exist
+        except pluggy.PluginValidationError as exc:
+            problems = problems or [str(exc)]
+        if problems:
             self._pm.unregister(plugin)
-            self._mark_broken(label, distribution, version, exc)
+            self._mark_broken(info, "; ".join(problems))
+            return False
+        for hook_name in KINDS.values():
+            for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is plugin:
+                    impl.function = _attributed(impl.function, info, wrapper=impl.wrapper or impl.hookwrapper)
+        return True
+
+    def _call_hooks(self, plugins: Sequence[object]) -> None:
+        """Call the registration hooks of ``plugins`` through pluggy and add what they register;
+        a plugin whose hook raises is unregistered, marked broken, and adds nothing."""
+        if not plugins:
             return
-        for component in added:
-            self._add(component)
+        names = {self._pm.get_name(p) for p in plugins}
+        staged: list[tuple[_PluginInfo, Component]] = []
+        failed: dict[_PluginInfo, BaseException] = {}
+        for kind, hook_name in KINDS.items():
+
+            def register(obj: Any, name: str | None = None, doc: str | None = None, _kind: str = kind) -> None:
+                info = _CURRENT_PLUGIN.get(None)
+                if info is None:
+                    raise RuntimeError("register() was called outside the registration hook it was given to")
+                staged.append((info, self._make_component(_kind, obj, name, doc, info.distribution, info.version, info.label)))
+
+            while True:
+                others = [p for p in self._pm.get_plugins() if self._pm.get_name(p) not in names]
+                caller = self._pm.subset_hook_caller(hook_name, remove_plugins=others)
+                mark = len(staged)
+                token = _FAILURES.set(failed)
+                try:
+                    caller(register=register)
+                    break
+                except Exception:  # noqa: BLE001 - a wrapper raised: drop its plugin and call again
+                    del staged[mark:]
+                    if not any(self._pm.get_name(p) in names for p in self._failed_plugins(failed)):
+                        raise
+                    for plugin in self._failed_plugins(failed):
+                        names.discard(self._pm.get_name(plugin))
+                        self._pm.unregister(plugin)
+                finally:
+                    _FAILURES.reset(token)
+            for plugin in self._failed_plugins(failed):
+                names.discard(self._pm.get_name(plugin))
+                self._pm.unregister(plugin)
+        for info, exc in failed.items():
+            self._mark_broken(info, exc)
+        for info, component in staged:
+            if info not in failed:
+                self._add(component)
+
+    def _failed_plugins(self, failed: Mapping[_PluginInfo, BaseException]) -> list[object]:
+        wanted = {f"{i.distribution}:{i.label}" for i in failed}
+        return [p for p in self._pm.get_plugins() if self._pm.get_name(p) in wanted]
 
     @staticmethod
     def _make_component(
@@ -313,8 +437,9 @@ class Registry:
 
     def _add(self, component: Component) -> None:
         entries = self._state.components[component.kind].setdefault(component.name, [])
-        # Re-registering from the same distribution (a re-run notebook cell) replaces.
-        entries[:] = [c for c in entries if c.distribution != component.distribution]
+        # Re-registering from the same plugin module (a re-run notebook cell) replaces; another
+        # module, even of the same distribution, is a duplicate (reported when the name is used).
+        entries[:] = [c for c in entries if (c.distribution, c.plugin) != (component.distribution, component.plugin)]
         entries.append(component)
 
     def register(
@@ -389,6 +514,12 @@ class Registry:
             entries = [c for c in entries if normalize_distribution(c.distribution) == normalize_distribution(dist)]
         if not entries:
             raise UnknownComponentError(self._unknown_message(kind, name))
+        if len(entries) > 1 and len({normalize_distribution(c.distribution) for c in entries}) == 1:
+            modules = " and ".join(f"'{c.plugin}'" for c in entries)
+            raise DuplicateComponentError(
+                f"{kind} '{bare}' is registered by {len(entries)} plugins of {entries[0].distribution} "
+                f"({modules}); a name must be registered once per distribution: remove one registration"
+            )
         if len(entries) > 1:
             which = ", ".join(f"{c.distribution} {c.version or ''}".strip() for c in entries)
             choices = " or ".join(f"'{c.qualified_name}'" for c in entries)
@@ -461,12 +592,46 @@ def set_registry(registry: Registry | None) -> Registry | None:
     return previous
 
 
+def registry_for(disabled: Sequence[str] = ()) -> Registry:
+    """The registry of a run: the process-wide one, or a fresh one without the ``disabled``
+    distributions (a run's ``disable_plugins``)."""
+    return Registry(disabled=disabled) if disabled else get_registry()
+
+
+def resolve_component(kind: str, spec: Any, registry: Registry | None = None) -> Any:
+    """A ready-to-use component from a name, a ``{name, params}`` mapping or ComponentRef, a
+    component class (built with default params) or an already-built object (returned as is)."""
+    registry = registry if registry is not None else get_registry()
+    if isinstance(spec, str):
+        return registry.build(kind, spec)
+    if isinstance(spec, Mapping):
+        extra = set(spec) - {"name", "params"}
+        if "name" not in spec or extra:
+            raise ComponentSpecError(
+                f"a {kind} given as a mapping needs exactly the keys 'name' and optionally 'params'"
+                f" (got {sorted(spec)})"
+            )
+        return registry.build(kind, spec["name"], spec.get("params"))
+    if isinstance(spec, BaseModel) and hasattr(spec, "name") and hasattr(spec, "params"):
+        return registry.build(kind, spec.name, spec.params)
+    if inspect.isclass(spec):
+        params = getattr(spec, "Params", None)
+        return spec(params()) if params is not None else spec()
+    if spec is None:
+        raise ComponentSpecError(f"no {kind} given; name one (see `grpo-plugins list`)")
+    return spec
+
+
 def register(kind: str, name: str | None, obj: Any, *, doc: str | None = None) -> Component:
     """Register ``obj`` as a ``kind`` component of the process-wide registry."""
     return get_registry().register(kind, name, obj, doc=doc)
 
 
-def _decorator_for(kind: str) -> Callable[..., Any]:
+#: A registering decorator: ``@decorator("name")``, ``@decorator`` or ``decorator("name")(obj)``.
+Decorator = Callable[..., Any]
+
+
+def _decorator_for(kind: str) -> Decorator:
     def decorator(name: str | None = None, *, doc: str | None = None) -> Callable[[Any], Any]:
         if callable(name) and not isinstance(name, str):  # used bare: @reward
             obj = name
@@ -487,10 +652,5 @@ def _decorator_for(kind: str) -> Callable[..., Any]:
     return decorator
 
 
-reward = _decorator_for("reward")
-loss_type = _decorator_for("loss_type")
-importance_sampling = _decorator_for("importance_sampling")
-reward_scaling = _decorator_for("reward_scaling")
-rollout_correction = _decorator_for("rollout_correction")
-generator = _decorator_for("generator")
-task = _decorator_for("task")
+#: One decorator per kind, read from the table of kinds: ``@grpo_plugins.reward("name")``, ...
+DECORATORS: dict[str, Decorator] = {kind: _decorator_for(kind) for kind in KINDS}

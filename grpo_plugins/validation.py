@@ -33,7 +33,8 @@ from grpo_plugins.config import (
     validation_errors,
 )
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.registry import Component, ComponentParamsError, Registry, get_registry
+from grpo_plugins.kinds import COMPONENT_KINDS
+from grpo_plugins.registry import Component, ComponentParamsError, Registry, registry_for
 
 __all__ = [
     "COMPONENT_FIELDS",
@@ -45,14 +46,13 @@ __all__ = [
     "validate_config",
 ]
 
-#: Config fields that name a single component, and the kind each one names.
+#: Config fields that name a single component, and the kind each one names (from the table of
+#: kinds; ``rewards``, a list, is checked by _check_rewards). The task comes first: its default
+#: rewards are checked when the config lists none.
 COMPONENT_FIELDS: dict[str, str] = {
-    "task": "task",
-    "loss_type": "loss_type",
-    "importance_sampling_level": "importance_sampling",
-    "scale_rewards": "reward_scaling",
-    "rollout_correction": "rollout_correction",
-    "generator": "generator",
+    k.config_field: k.name
+    for k in sorted(COMPONENT_KINDS.values(), key=lambda k: k.name != "task")
+    if k.name != "reward"
 }
 
 
@@ -114,7 +114,7 @@ def check_config(
     if not isinstance(config, GRPOConfig):
         config = load_config(config)
     if registry is None:
-        registry = Registry(disabled=config.disable_plugins) if config.disable_plugins else get_registry()
+        registry = registry_for(config.disable_plugins)
     check = ConfigCheck(config=config, registry=registry)
     for name, kind in COMPONENT_FIELDS.items():
         value = _component_value(config, name)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_plugins.checkpoint import CheckpointError, STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
-from grpo_plugins.engine import PromptStream, _trim, _windows
+from grpo_plugins.rollout import PromptStream, accumulation_windows, trim_padding
 from grpo_plugins.batching import make_plan
 from grpo_plugins.metrics import average, completion_metrics, read_metrics, reward_metrics, truncate_jsonl
 
@@ -86,14 +86,14 @@ def test_prompt_stream_is_a_seeded_permutation_per_epoch() -> None:
 
 def test_windows_group_micro_steps_by_optimizer_update() -> None:
     plan = make_plan(3, 2, 3, steps_per_generation=4)
-    assert _windows(plan.cycle(0)) == [0, 0, 1, 1]
+    assert accumulation_windows(plan.cycle(0)) == [0, 0, 1, 1]
 
 
 def test_trim_drops_all_padding_columns() -> None:
     # (B=2, P=3 + T=4): prompt padding in column 0 for both rows; completions of length 2 and 1.
     ids = torch.arange(14).view(2, 7)
     mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])
-    out_ids, out_mask, t = _trim(ids, mask, 4)
+    out_ids, out_mask, t = trim_padding(ids, mask, 4)
     assert t == 2
     assert out_ids.tolist() == [[1, 2, 3, 4], [8, 9, 10, 11]]
     assert out_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]

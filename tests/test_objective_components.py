@@ -130,13 +130,14 @@ def test_settings_errors_are_clear():
         compute_loss(logp, old, adv, mask, sampling_per_token_logps=old, rollout_correction="nope")
 
 
-def test_loss_settings_from_config_round_trip():
+def test_loss_settings_of_a_config_build_its_components_and_feed_compute_loss():
     from grpo_plugins.config import GRPOConfig
     from grpo_plugins.objective import loss_settings
 
     config = GRPOConfig(loss_type="bnpo", epsilon_high=0.28, beta=0.01, max_completion_length=16)
     settings = loss_settings(config)
-    assert settings["loss_type"] == "bnpo" and settings["epsilon_high"] == 0.28
+    assert type(settings["loss_type"]) is type(get_registry().build("loss_type", "bnpo"))
+    assert settings["epsilon_high"] == 0.28
     logp, old, adv, mask = batch()
     loss, metrics = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, **settings)
     assert math.isfinite(loss.item()) and "kl" in metrics

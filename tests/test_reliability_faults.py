@@ -332,7 +332,7 @@ def test_prompt_lengths_are_checked_for_every_row(tmp_path: Path) -> None:
     from grpo_plugins.testing import build_tiny_tokenizer
     from transformers import AutoTokenizer
 
-    from grpo_plugins.guards import check_prompt_lengths
+    from grpo_plugins.data import check_prompt_lengths
 
     tok = AutoTokenizer.from_pretrained(str(build_tiny_tokenizer(tmp_path / "tok")))
     prompts = ["ab"] * 600 + ["x" * 30] + [[{"role": "user", "content": "y" * 50}]]

@@ -23,9 +23,7 @@ from grpo_plugins.rewards import (
     RewardConfigError,
     RewardError,
     RewardRunner,
-    check_reward_specs,
     resolve_reward,
-    reward_metrics,
     reward_specs_for,
 )
 from grpo_plugins.testing import isolated_registry
@@ -242,8 +240,10 @@ def test_runner_weights(registry):
         assert r.weights == [0.3, 0.7]
 
 
-def test_check_reward_specs_names_the_params_path():
+def test_reward_params_are_validated_with_their_path_by_validate_and_built_by_the_runner():
     from pydantic import BaseModel
+
+    from grpo_plugins.validation import check_config
 
     class WithParams:
         class Params(BaseModel):
@@ -257,20 +257,14 @@ def test_check_reward_specs_names_the_params_path():
 
     with isolated_registry() as registry:
         registry.register("reward", "with_params", WithParams)
-        check_reward_specs([RewardSpec(name="with_params", params={"max_len": 3})], registry)
-        with pytest.raises(RewardConfigError, match=r"rewards\.1\.params\.max_len"):
-            check_reward_specs([RewardSpec(name="with_params"), RewardSpec(name="with_params", params={"max_len": "x"})], registry)
+        config = {"task": None, "dataset": {"path": "json", "data_files": "x.jsonl"}, "num_generations": 4,
+                  "per_device_train_batch_size": 4,
+                  "rewards": ["with_params", {"name": "with_params", "params": {"max_len": "x"}}]}
+        problems = dict(check_config(config, registry).problems)
+        assert "valid integer" in problems["rewards.1.params.max_len"]
+        assert not any(path.startswith("rewards.0") for path in problems)
         with RewardRunner([RewardSpec(name="with_params", params={"max_len": 3})], registry) as runner:
             assert runner._rewards[0].fn.params.max_len == 3
-
-
-def test_reward_metrics():
-    import torch
-
-    rewards = torch.tensor([[1.0, math.nan], [3.0, 2.0]])
-    m = reward_metrics(rewards, ["a", "b"])
-    assert m["rewards/a/mean"] == 2.0 and m["rewards/a/std"] == pytest.approx(math.sqrt(2))
-    assert m["rewards/b/mean"] == 2.0 and m["rewards/b/std"] == 0.0
 
 
 # -- failures -----------------------------------------------------------------------------------

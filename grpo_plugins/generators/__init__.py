@@ -8,11 +8,15 @@ loads plugins, and ``grpo-plugins validate`` must start fast.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.config import ComponentRef, GRPOConfig, component_ref
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from grpo_plugins.kinds import Generator
+    from grpo_plugins.registry import Registry
 
 
 class GeneratorUnavailableError(GRPOPluginsError):
@@ -39,6 +43,30 @@ def generator_ref(config: GRPOConfig, *, cuda: bool = False) -> ComponentRef:
     ref = component_ref(config.resolved_generator)  # the config's own choice, in one place
     assert ref is not None
     return ref
+
+
+def build_generator(config: GRPOConfig, registry: Registry, model: Any, tokenizer: Any, device: Any) -> Generator:
+    """The run's generator (:func:`generator_ref`), built from ``registry`` and set up with the
+    model being trained and the config's sampling parameters."""
+    from grpo_plugins.kinds import SamplingSettings
+
+    ref = generator_ref(config, cuda=getattr(device, "type", None) == "cuda")
+    generator = registry.build("generator", ref.name, ref.params)
+    generator.registry = registry  # a backend that falls back to another builds it from here
+    generator.setup(
+        model,
+        tokenizer,
+        SamplingSettings(
+            max_completion_length=config.max_completion_length,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
+            seed=None,  # sampling uses the global RNG, which checkpoints save and restore
+        ),
+    )
+    return generator
 
 
 @hookimpl

@@ -1,268 +1,33 @@
-"""Helpers for testing grpo-plugins and plugins written for it, with no network and no hub.
+"""Contract checks: does a component (or a plugin) satisfy the interface of its kind?
 
-* :func:`build_tiny_tokenizer` writes a character-level tokenizer (with a chat template) to a
-  directory, built locally with the ``tokenizers`` library.
-* :func:`tiny_model_config` is a transformers config dict for a tiny random Llama or Qwen2.
-* :func:`tiny_model_spec` gives the ``model:`` mapping of a run config for both together.
-
-For plugin authors (see docs/plugins.md, "Testing a plugin"):
-
-* :func:`registered_plugin`, :func:`registered_component` and :func:`isolated_registry` register
-  plugins or components for the duration of a test and restore the registry afterwards;
-* :func:`check_component` and :func:`check_plugin` check components against the interface of
-  their kind and raise :class:`ComponentContractError` listing everything that is wrong.
+:func:`check_component` and :func:`check_plugin` raise :class:`ComponentContractError` listing
+everything that is wrong. Each kind's interface and its behaviour check are named in the table of
+kinds (:data:`grpo_plugins.kinds.COMPONENT_KINDS`); the behaviour checks are the ``check_<kind>``
+functions here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import inspect
-import json
 import math
-import string
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
 from grpo_plugins import kinds
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.hookspecs import PROJECT as PROJECT_MARKER
-from grpo_plugins.kinds import KINDS
-from grpo_plugins.registry import (
-    Component,
-    ComponentParamsError,
-    PluginLoadError,
-    Registry,
-    get_registry,
-    set_registry,
-)
+from grpo_plugins.kinds import COMPONENT_KINDS, KINDS
+from grpo_plugins.registry import Component, ComponentParamsError, Registry, hook_problems
+from grpo_plugins.testing.registries import registered_plugin
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-_ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
-
-
-def _tiny_vocab() -> list[str]:
-    chars = string.ascii_letters + string.digits + string.punctuation + " \n"
-    return [PAD, BOS, EOS, *_ROLE_TOKENS, "<unk>", *chars]
-
-
-def build_tiny_tokenizer(directory: str | Path) -> Path:
-    """Write a character-level ``PreTrainedTokenizerFast`` to ``directory`` and return it.
-
-    Vocabulary: pad (0), bos (1), eos (2), three chat-role tokens, unk, then printable ASCII; about
-    100 ids in all.
-    """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = {tok: i for i, tok in enumerate(_tiny_vocab())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([PAD, BOS, EOS, *_ROLE_TOKENS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token="<unk>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
-    fast.save_pretrained(str(directory))
-    return directory
-
-
-def tiny_vocab_size() -> int:
-    return len(_tiny_vocab())
-
-
-def tiny_model_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
-    """A transformers config dict for a tiny random model matching :func:`build_tiny_tokenizer`."""
-    base: dict[str, Any] = {
-        "vocab_size": tiny_vocab_size(),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-    }
-    if arch == "llama":
-        base.update(model_type="llama", architectures=["LlamaForCausalLM"])
-    elif arch == "qwen2":
-        base.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
-    else:
-        raise ValueError(f"unknown tiny architecture '{arch}' (llama or qwen2)")
-    base.update(overrides)
-    return base
-
-
-def tiny_model_spec(directory: str | Path, arch: str = "llama", **overrides: Any) -> dict[str, Any]:
-    """The ``model:`` mapping of a run config for a tiny random model (tokenizer written to
-    ``directory``)."""
-    tok_dir = build_tiny_tokenizer(Path(directory) / "tokenizer")
-    config_path = Path(directory) / "config.json"
-    config_path.write_text(json.dumps(tiny_model_config(arch, **overrides)))
-    return {"config": str(config_path), "tokenizer": str(tok_dir)}
-
-
-TEST_DISTRIBUTION = "<test>"
-
-
-# -- registering for the duration of a test ----------------------------------------------------
-
-
-_Snapshot = tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]
-
-
-def _snapshot(registry: Registry) -> _Snapshot:
-    # The registry has no public snapshot; this reads its private state (components, broken
-    # plugins, pluggy registrations). tests/test_testing_helpers.py guards that it keeps working.
-    state = registry._state  # loads the installed plugins first
-    components = {k: {n: list(e) for n, e in by_name.items()} for k, by_name in state.components.items()}
-    return components, list(state.broken), {id(p) for p in registry._pm.get_plugins()}
-
-
-def _restore(registry: Registry, snapshot: _Snapshot) -> None:
-    components, broken, plugins = snapshot
-    state = registry._state
-    state.components.clear()
-    state.components.update(components)
-    state.broken[:] = broken
-    for plugin in registry._pm.get_plugins():
-        if id(plugin) not in plugins:
-            registry._pm.unregister(plugin)
-
-
-@contextmanager
-def registered_plugin(
-    *plugins: object,
-    registry: Registry | None = None,
-    distribution: str = TEST_DISTRIBUTION,
-    version: str | None = None,
-    strict: bool = True,
-) -> Iterator[Registry]:
-    """Register plugins (modules, or any objects with ``@hookimpl`` functions) for a ``with`` block.
-
-    On exit the registry is exactly as before (components, broken plugins, pluggy's own
-    registrations), so the same plugin can be registered again by the next test.
-
-    Args:
-        plugins: the plugin modules or objects.
-        registry: the registry to change; default the process-wide one (what the config, the
-            objective and the engine use).
-        distribution: the distribution name their components are listed under (``dist:name``).
-        version: the version shown for them.
-        strict: raise :class:`~grpo_plugins.registry.PluginLoadError` (with the traceback) when a
-            plugin's hook raises or does not validate, instead of marking it broken.
-
-    Yields:
-        The registry.
-    """
-    registry = registry if registry is not None else get_registry()
-    snapshot = _snapshot(registry)
-    try:
-        for plugin in plugins:
-            if registry._pm.is_registered(plugin):
-                raise PluginLoadError(
-                    f"plugin {getattr(plugin, '__name__', plugin)!r} is already registered (installed, so "
-                    "loaded through its entry point?); test it alone with isolated_registry(plugin), or "
-                    "use the installed components as they are"
-                )
-            known = len(registry.broken)
-            registry.add_plugin(plugin, distribution=distribution, version=version)
-            failed = registry.broken[known:]
-            if strict and failed:
-                raise PluginLoadError(
-                    f"plugin '{failed[0].plugin}' failed to register: {failed[0].error}\n{failed[0].traceback}"
-                )
-        yield registry
-    finally:
-        _restore(registry, snapshot)
-
-
-@contextmanager
-def registered_component(
-    kind: str, obj: Any, name: str | None = None, *, registry: Registry | None = None
-) -> Iterator[Component]:
-    """Register one component for a ``with`` block, then restore whatever had that name before.
-
-    ``obj`` is what a plugin passes to ``register`` (a class or a function); ``name`` defaults to
-    ``obj.name`` or ``obj.__name__``. Yields the :class:`~grpo_plugins.registry.Component`.
-    """
-    registry = registry if registry is not None else get_registry()
-    with registry.temporary(kind, name, obj) as component:
-        yield component
-
-
-@contextmanager
-def isolated_registry(
-    *plugins: object,
-    entry_points: bool = False,
-    disabled: tuple[str, ...] = (),
-    distribution: str = TEST_DISTRIBUTION,
-    version: str | None = None,
-) -> Iterator[Registry]:
-    """Make a fresh registry the process-wide one for a ``with`` block, holding only ``plugins``
-    (plus the installed plugins when ``entry_points`` is True), then put the previous one back.
-
-    Without ``entry_points`` not even the built-in components are there: use it for tests of the
-    plugin alone, and :func:`registered_plugin` for tests that also need the built-ins.
-    """
-    registry = Registry(entry_points=entry_points, disabled=disabled)
-    previous = set_registry(registry)
-    try:
-        with registered_plugin(*plugins, registry=registry, distribution=distribution, version=version):
-            yield registry
-    finally:
-        set_registry(previous)
-
-
-# -- the interface of each kind ----------------------------------------------------------------
-
-
-def reward_interface(
-    prompts: list[Any],
-    completions: list[Any],
-    completion_ids: list[list[int]] | None = None,
-    **columns: Any,
-) -> list[float | None]:
-    """The reward contract (TRL's): one float, or None for "not applicable", per completion.
-
-    Called with keyword arguments only; a reward declares the ones it reads (or ``**kwargs``).
-    ``completions`` are strings for string prompts and ``[{"role": "assistant", "content": ...}]``
-    for conversational ones; every dataset column arrives as a keyword argument holding one value
-    per completion. Plain functions, callable instances and ``async def`` all work.
-    """
-    raise NotImplementedError
-
-
-#: What implements the interface of each kind: the class in :mod:`grpo_plugins.kinds` whose
-#: public methods a component provides, or for rewards the call signature itself.
-INTERFACES: dict[str, Any] = {
-    "reward": reward_interface,
-    "loss_type": kinds.LossType,
-    "importance_sampling": kinds.ImportanceSampling,
-    "reward_scaling": kinds.RewardScaling,
-    "rollout_correction": kinds.RolloutCorrection,
-    "generator": kinds.Generator,
-    "task": kinds.Task,
-}
+#: What implements the interface of each kind (from the table of kinds): the class in
+#: :mod:`grpo_plugins.kinds` whose public methods a component provides, or for rewards the call
+#: signature itself.
+INTERFACES: dict[str, Any] = {k.name: k.interface for k in COMPONENT_KINDS.values()}
 
 
 def interface_methods(kind: str) -> dict[str, Callable[..., Any]]:
@@ -428,7 +193,8 @@ def _loss_inputs(mask: Any, seed: int = 0) -> tuple[kinds.LossInputs, Any]:
     return kinds.LossInputs(**{f.name: values[f.name] for f in fields if f.name in values}), leaf
 
 
-def _check_loss_type(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_loss_type(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built loss_type (see :func:`check_component`)."""
     import torch
 
     mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
@@ -471,7 +237,8 @@ def _check_loss_type(built: Any, sample: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_importance_sampling(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_importance_sampling(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built importance_sampling (see :func:`check_component`)."""
     import torch
 
     mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
@@ -501,7 +268,8 @@ def _check_importance_sampling(built: Any, sample: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_reward_scaling(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_reward_scaling(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built reward_scaling (see :func:`check_component`)."""
     import torch
 
     nan = float("nan")
@@ -524,7 +292,8 @@ def _check_reward_scaling(built: Any, sample: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_rollout_correction(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_rollout_correction(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built rollout_correction (see :func:`check_component`)."""
     import torch
 
     mask = torch.tensor(_MASK, dtype=torch.float32)  # (B, T)
@@ -554,13 +323,15 @@ def _check_rollout_correction(built: Any, sample: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_generator(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_generator(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built generator (see :func:`check_component`)."""
     # Generating needs a model; check_component only checks the static parts of a generator.
     value = getattr(built, "samples_from_policy", True)
     return [] if isinstance(value, bool) else [f"samples_from_policy must be a bool, got {value!r}"]
 
 
-def _check_task(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_task(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built task (see :func:`check_component`)."""
     problems: list[str] = []
     for i, entry in enumerate(getattr(built, "default_rewards", [])):
         if not (isinstance(entry, str) or (isinstance(entry, dict) and isinstance(entry.get("name"), str))):
@@ -580,7 +351,8 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _check_reward(built: Any, sample: dict[str, Any]) -> list[str]:
+def check_reward(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built reward (see :func:`check_component`)."""
     import numbers
 
     completions = sample.get("completions", ["4", "The answer is 4.", ""])
@@ -627,15 +399,9 @@ def _check_reward(built: Any, sample: dict[str, Any]) -> list[str]:
     return []
 
 
-_BEHAVIOUR: dict[str, Callable[[Any, dict[str, Any]], list[str]]] = {
-    "reward": _check_reward,
-    "loss_type": _check_loss_type,
-    "importance_sampling": _check_importance_sampling,
-    "reward_scaling": _check_reward_scaling,
-    "rollout_correction": _check_rollout_correction,
-    "generator": _check_generator,
-    "task": _check_task,
-}
+def _behaviour_check(kind: str) -> Callable[[Any, dict[str, Any]], list[str]]:
+    module, _, name = COMPONENT_KINDS[kind].contract_check.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def check_component(
@@ -686,31 +452,14 @@ def check_component(
         how = "cls(params)" if component.params_model is not None else "cls()"
         raise ComponentContractError(subject, [f"building it as {how} raised {type(exc).__name__}: {exc}"]) from None
     problems = _signature_problems(kind, built)
-    if not problems and behaviour and kind in _BEHAVIOUR:
+    if not problems and behaviour:
         try:
-            problems = _BEHAVIOUR[kind](built, dict(sample or {}))
+            problems = _behaviour_check(kind)(built, dict(sample or {}))
         except Exception as exc:  # noqa: BLE001 - a component that raises on valid input fails the check
             problems = [f"it raised {type(exc).__name__} on a valid sample input: {exc}"]
     if problems:
         raise ComponentContractError(subject, problems)
     return built
-
-
-def _hook_problems(plugin: object) -> list[str]:
-    import difflib
-
-    hooks = set(KINDS.values())
-    problems: list[str] = []
-    for attr in dir(plugin):
-        fn = getattr(plugin, attr, None)
-        marked = getattr(fn, f"{PROJECT_MARKER}_impl", None) is not None
-        if marked and attr not in hooks:
-            close = difflib.get_close_matches(attr, hooks, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            problems.append(f"'{attr}' is marked @hookimpl but is not a grpo-plugins hook{hint}")
-        elif not marked and attr in hooks and callable(fn):
-            problems.append(f"'{attr}' is not decorated with @grpo_plugins.hookimpl, so it is never called")
-    return problems
 
 
 def check_plugin(
@@ -723,7 +472,8 @@ def check_plugin(
     """Register ``plugin`` (a module or object with ``@hookimpl`` functions) in a scratch registry
     and :func:`check_component` every component it registers.
 
-    Also finds misspelt hooks and hook functions missing ``@hookimpl``. ``params`` maps component
+    First finds misspelt hooks and hook functions missing ``@hookimpl`` (then nothing else is
+    checked: such a plugin is broken). ``params`` maps component
     names to the params to build them with; ``sample`` is passed to every reward's check.
 
     Returns:
@@ -734,11 +484,13 @@ def check_plugin(
         ComponentContractError: listing the problems of every component.
     """
     label = getattr(plugin, "__name__", None) or type(plugin).__name__
-    problems = _hook_problems(plugin)
+    problems = hook_problems(plugin)
+    if problems:  # its hooks would not be called (the registry marks such a plugin broken)
+        raise ComponentContractError(f"plugin '{label}'", problems)
     scratch = Registry(entry_points=False)
     with registered_plugin(plugin, registry=scratch):
         components = scratch.components()
-    if not components and not problems:
+    if not components:
         problems.append("it registers no components: implement a registration hook (e.g. register_rewards)")
     for c in components:
         try:

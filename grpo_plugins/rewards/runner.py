@@ -1,54 +1,41 @@
-"""Scoring completions: resolving reward components and running them (the TRL reward contract).
+"""Running a run's rewards on batches of completions (the TRL reward contract).
 
-A reward is any callable ``fn(prompts, completions, completion_ids=..., **columns)`` returning one
-``float`` or ``None`` ("not applicable") per completion, plain or ``async def`` -- exactly TRL's
-contract, so existing TRL/Unsloth reward functions work unchanged. :class:`RewardRunner` calls
-all of a run's rewards concurrently (a thread each, async ones on one event loop, ``executor:
-process`` ones in a worker process), applies each reward's timeout, checks every returned value
-and returns an (N, K) float32 tensor with NaN for None. A failure raises :class:`RewardError`
-naming the reward and the sample, unless that reward's ``on_error`` is ``"none"``.
-
-How a name in ``rewards:`` is resolved (:func:`resolve_reward`):
-
-1. ``name`` -- a registered reward (entry point or ``@grpo_plugins.reward``);
-2. ``dist:name`` where ``dist`` is a distribution that registered rewards -- that one's reward;
-3. ``module.path:attr`` otherwise -- imported (``attr`` may be dotted, e.g. ``Class.method``).
+:class:`RewardRunner` calls all of a run's rewards concurrently (a thread each, async ones on one
+event loop, ``executor: process`` ones in a worker process), applies each reward's timeout,
+checks every returned value and returns an (N, K) float32 tensor with NaN for None. A failure
+raises :class:`RewardError` naming the reward and the sample, unless that reward's ``on_error``
+is ``"none"``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import importlib
 import inspect
 import math
-import multiprocessing
 import numbers
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from grpo_plugins.config import GRPOConfig, RewardSpec
+from grpo_plugins.config import GRPOConfig, RewardSpec, component_ref
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.registry import (
-    Component,
-    ComponentParamsError,
-    Registry,
-    UnknownComponentError,
-    get_registry,
-    normalize_distribution,
+from grpo_plugins.registry import ComponentParamsError, Registry, UnknownComponentError, get_registry
+from grpo_plugins.rewards.resolution import (
+    RewardConfigError,
+    as_spec,
+    resolve_reward,
+    reward_specs_for,
+    reward_weights_mismatch,
 )
+from grpo_plugins.rewards.worker import CallFailed, ProcessWorker, await_result
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-IMPORT_DISTRIBUTION = "<import>"
 _RESERVED = ("prompts", "completions", "completion_ids", "prompt", "completion")
 _REPR_CHARS = 80
 
@@ -73,128 +60,6 @@ class RewardError(GRPOPluginsError):
 
 class _MissingArgument(RewardError):
     """A reward needs a keyword argument that no dataset column provides (never None-able)."""
-
-
-class RewardConfigError(GRPOPluginsError, ValueError):
-    """The rewards of a run are misconfigured (unknown name, bad params, weights)."""
-
-
-# -- resolution ---------------------------------------------------------------------------------
-
-
-def _reward_distributions(registry: Registry) -> set[str]:
-    return {normalize_distribution(c.distribution) for c in registry.components("reward")}
-
-
-def _import_attr(path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RewardConfigError(f"reward import path '{path}' must look like 'module.path:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardConfigError(
-            f"reward '{path}': cannot import module '{module_name}' ({exc}); it is neither a "
-            "registered reward nor an importable 'module:function' path"
-        ) from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardConfigError(
-                f"reward '{path}': module '{module_name}' has no attribute '{attr}'"
-            ) from None
-    return obj
-
-
-def resolve_reward(name: str, registry: Registry | None = None) -> Component:
-    """The reward component named ``name``: a registered name, ``dist:name``, or ``module:attr``.
-
-    A ``dist:name`` whose ``dist`` is a distribution that registered rewards always means that
-    distribution's reward; any other ``a:b`` is imported as ``from a import b``.
-
-    Raises:
-        UnknownComponentError / DuplicateComponentError: from the registry, for bare names.
-        RewardConfigError: an import path that does not import.
-    """
-    registry = registry or get_registry()
-    if ":" not in name:
-        return registry.get("reward", name)
-    prefix = name.rpartition(":")[0]
-    if normalize_distribution(prefix) in _reward_distributions(registry):
-        return registry.get("reward", name)
-    obj = _import_attr(name)
-    if not callable(obj):
-        raise RewardConfigError(f"reward '{name}' is a {type(obj).__name__}, not a callable")
-    return Component(
-        kind="reward",
-        name=getattr(obj, "__name__", name.rpartition(":")[2].rpartition(".")[2]),
-        obj=obj,
-        distribution=IMPORT_DISTRIBUTION,
-        version=None,
-        plugin=name,
-        doc=(inspect.getdoc(obj) or "").split("\n\n")[0],
-    )
-
-
-def _as_spec(entry: str | RewardSpec | dict[str, Any], where: str) -> RewardSpec:
-    if isinstance(entry, RewardSpec):
-        return entry
-    if isinstance(entry, str):
-        return RewardSpec(name=entry)
-    try:
-        return RewardSpec.model_validate(entry)
-    except ValidationError as exc:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"] for e in exc.errors()
-        )
-        raise RewardConfigError(f"{where}: {detail}") from None
-
-
-def reward_specs_for(config: GRPOConfig, task: Any = None) -> list[RewardSpec]:
-    """The run's rewards: ``config.rewards``, or the task's ``default_rewards`` when that is empty,
-    with ``config.reward_weights`` (when given) replacing each reward's own weight.
-
-    ``task`` may be a built task, a registry :class:`Component` of kind task, or None.
-    """
-    entries: Sequence[Any] = config.rewards
-    if not entries and task is not None:
-        obj = task.obj if isinstance(task, Component) else task
-        entries = list(getattr(obj, "default_rewards", []) or [])
-    if not entries:
-        raise RewardConfigError(
-            "the run has no rewards: list some under 'rewards:' or choose a 'task:' with default rewards"
-        )
-    where = "rewards" if config.rewards else "task.default_rewards"
-    specs = [_as_spec(e, f"{where}.{i}") for i, e in enumerate(entries)]
-    if config.reward_weights is not None:
-        if len(config.reward_weights) != len(specs):
-            names = ", ".join(s.name for s in specs)
-            raise RewardConfigError(
-                f"reward_weights has {len(config.reward_weights)} values but the run has "
-                f"{len(specs)} rewards ({names}); give one weight per reward"
-            )
-        specs = [s.model_copy(update={"weight": float(w)}) for s, w in zip(specs, config.reward_weights)]
-    return specs
-
-
-def check_reward_specs(specs: Sequence[RewardSpec], registry: Registry | None = None) -> None:
-    """Resolve every reward and validate its params without building it (for ``validate``).
-
-    Raises RewardConfigError naming ``rewards.<i>`` (and the params path) on the first problem.
-    """
-    registry = registry or get_registry()
-    for i, spec in enumerate(specs):
-        try:
-            resolve_reward(spec.name, registry).validate_params(spec.params)
-        except ComponentParamsError as exc:
-            path, msg = exc.errors[0] if exc.errors else ("", str(exc))
-            raise RewardConfigError(f"rewards.{i}.params.{path}: {msg} ({exc})".replace("params.:", "params:")) from None
-        except (UnknownComponentError, RewardConfigError) as exc:
-            raise RewardConfigError(f"rewards.{i}: {exc}") from None
-
-
-# -- calling ------------------------------------------------------------------------------------
 
 
 def _short(obj: Any) -> str:
@@ -225,113 +90,6 @@ def _accepted_kwargs(fn: Any) -> tuple[set[str] | None, set[str]]:
     return (None if var_kw else accepted), required
 
 
-def _worker_main(conn: Any, fn: Any) -> None:
-    """Loop of a reward worker process: receive kwargs, send back the result or the error."""
-    conn.send(("ready",))  # ``fn`` (and its module) is loaded: calls are timed from here on
-    while True:
-        try:
-            kwargs = conn.recv()
-        except EOFError:
-            return
-        if kwargs is None:
-            return
-        try:
-            result = fn(**kwargs)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_await(result))
-            conn.send(("ok", result if isinstance(result, list) else list(result)))
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
-            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
-
-
-class _CallFailed(Exception):
-    """Internal: one reward call failed as a whole (raised, crashed, timed out)."""
-
-    def __init__(self, what: str, *, timed_out: bool = False) -> None:
-        super().__init__(what)
-        self.what = what
-        self.timed_out = timed_out
-
-
-class _ProcessWorker:
-    """One long-lived worker process for an ``executor: process`` reward (killed on timeout).
-
-    The reward is sent once, when the worker starts; its start-up (importing the reward's
-    module) does not count against the reward's timeout, but must finish within
-    ``STARTUP_TIMEOUT`` seconds.
-    """
-
-    STARTUP_TIMEOUT = 300.0
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self._proc: Any = None
-        self._conn: Any = None
-        self._lock = threading.Lock()
-
-    def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded (torch) parent
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child, self.fn), daemon=True)
-        try:
-            proc.start()
-        except Exception as exc:  # e.g. a lambda or a local function cannot be pickled
-            raise _CallFailed(
-                f"cannot be sent to a worker process ({type(exc).__name__}: {exc}); "
-                "use a module-level function or executor: thread"
-            ) from None
-        child.close()
-        self._proc, self._conn = proc, parent
-        if not parent.poll(self.STARTUP_TIMEOUT):
-            self.kill()
-            raise _CallFailed(f"worker process did not start within {self.STARTUP_TIMEOUT:g} s")
-        try:
-            parent.recv()
-        except EOFError:
-            code = proc.exitcode if proc.join(5) is None else None
-            self.kill()
-            raise _CallFailed(f"worker process failed to start (exit code {code}); is the reward importable?") from None
-
-    def call(self, kwargs: dict[str, Any], timeout: float | None) -> Any:
-        with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            self._conn.send(kwargs)
-            if not self._conn.poll(timeout):
-                self.kill()
-                raise _CallFailed(f"timed out after {timeout:g} s", timed_out=True)
-            try:
-                reply = self._conn.recv()
-            except EOFError:
-                code = self._proc.exitcode
-                self.kill()
-                raise _CallFailed(f"worker process died (exit code {code})") from None
-            if reply[0] == "err":
-                raise _CallFailed(reply[1])
-            return reply[1]
-
-    def kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-            self._conn.close()
-        self._proc = self._conn = None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._proc is not None and self._proc.is_alive():
-                try:
-                    self._conn.send(None)
-                    self._proc.join(2)
-                except (OSError, BrokenPipeError):
-                    pass
-            self.kill()
-
-
 @dataclass
 class _Reward:
     name: str
@@ -340,7 +98,7 @@ class _Reward:
     is_async: bool
     accepted: set[str] | None
     required: set[str]
-    worker: _ProcessWorker | None
+    worker: ProcessWorker | None
 
 
 class RewardRunner:
@@ -364,11 +122,6 @@ class RewardRunner:
         reward_weights: Sequence[float] | None = None,
     ) -> None:
         registry = registry or get_registry()
-        if reward_weights is not None and len(reward_weights) != len(specs):
-            raise RewardConfigError(
-                f"reward_weights has {len(reward_weights)} values for {len(specs)} rewards; "
-                "give one weight per reward"
-            )
         self._rewards: list[_Reward] = []
         used: set[str] = set()
         for i, entry in enumerate(specs):
@@ -376,7 +129,7 @@ class RewardRunner:
                 fn, base = entry, getattr(entry, "__name__", type(entry).__name__)
                 spec = RewardSpec(name=base)
             else:
-                spec = _as_spec(entry, f"rewards.{i}")  # type: ignore[arg-type]
+                spec = as_spec(entry, f"rewards.{i}")  # type: ignore[arg-type]
                 try:
                     component = resolve_reward(spec.name, registry)
                     fn = component.build(spec.params)
@@ -385,7 +138,7 @@ class RewardRunner:
                 except (UnknownComponentError, RewardConfigError) as exc:
                     raise RewardConfigError(f"rewards.{i}: {exc}") from None
                 base = component.name
-            if reward_weights is not None:
+            if reward_weights is not None and i < len(reward_weights):
                 spec = spec.model_copy(update={"weight": float(reward_weights[i])})
             name, n = base, 2
             while name in used:  # two rewards of one name: rewards/x and rewards/x_2
@@ -400,10 +153,13 @@ class RewardRunner:
                     is_async=_is_async(fn),
                     accepted=accepted,
                     required=required,
-                    worker=_ProcessWorker(fn) if spec.executor == "process" else None,
+                    worker=ProcessWorker(fn) if spec.executor == "process" else None,
                 )
             )
         self.names: list[str] = [r.name for r in self._rewards]
+        problem = reward_weights_mismatch(reward_weights, self.names)
+        if problem is not None:
+            raise RewardConfigError(f"reward_weights {problem}")
         self.weights: list[float] = [r.spec.weight for r in self._rewards]
         self._pool: cf.ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -472,37 +228,37 @@ class RewardRunner:
         if r.worker is not None:
             return self._threads().submit(r.worker.call, kwargs, timeout)
         if r.is_async:
-            coro = asyncio.wait_for(_await(r.fn(**kwargs)), timeout)
+            coro = asyncio.wait_for(await_result(r.fn(**kwargs)), timeout)
             return asyncio.run_coroutine_threadsafe(coro, self._event_loop())
         return self._threads().submit(self._call_sync, r.fn, kwargs)
 
     def _call_sync(self, fn: Any, kwargs: dict[str, Any]) -> Any:
         result = fn(**kwargs)
         if inspect.isawaitable(result):  # e.g. a functools.partial of an async function
-            result = asyncio.run_coroutine_threadsafe(_await(result), self._event_loop()).result()
+            result = asyncio.run_coroutine_threadsafe(await_result(result), self._event_loop()).result()
         return result
 
     def _wait(self, r: _Reward, future: cf.Future[Any], deadline: float | None) -> Any:
-        """The raw result, or _CallFailed."""
+        """The raw result, or CallFailed."""
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             return future.result(timeout=remaining)
         except cf.TimeoutError as exc:  # also asyncio's: the same class since Python 3.11
             if r.spec.timeout is None:  # the reward raised TimeoutError itself
-                raise _CallFailed(f"{type(exc).__name__}: {exc}") from exc
+                raise CallFailed(f"{type(exc).__name__}: {exc}") from exc
             future.cancel()
             if r.worker is None and not r.is_async and not future.done():
                 # A thread cannot be killed: abandon it and give later calls fresh threads.
                 if self._pool is not None:
                     self._pool.shutdown(wait=False)
                     self._pool = None
-            raise _CallFailed(f"timed out after {r.spec.timeout:g} s", timed_out=True) from None
-        except _CallFailed:
+            raise CallFailed(f"timed out after {r.spec.timeout:g} s", timed_out=True) from None
+        except CallFailed:
             raise
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001 - the reward's own exception
-            raise _CallFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise CallFailed(f"{type(exc).__name__}: {exc}") from exc
 
     # -- checking -----------------------------------------------------------------------------
 
@@ -568,11 +324,11 @@ class RewardRunner:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 values = self._check(r, self._wait(r, self._submit(r, one), deadline), 1, prompts[i : i + 1], completions[i : i + 1])
                 out.append(values[0])
-            except (_CallFailed, RewardError) as exc:
+            except (CallFailed, RewardError) as exc:
                 if r.spec.on_error == "none":
                     out.append(None)
                     continue
-                detail = f"raised {exc.what}" if isinstance(exc, _CallFailed) else exc.detail
+                detail = f"raised {exc.what}" if isinstance(exc, CallFailed) else exc.detail
                 raise self._fail(r, detail, i, self._sample_repr(i, prompts, completions)) from None
         if r.spec.on_error != "none":  # every sample works alone: the batch itself is the problem
             raise self._fail(r, f"raised {what} on the batch of {n} samples (each sample alone scores fine)", None)
@@ -639,7 +395,7 @@ class RewardRunner:
                 # A worker process enforces its own timeout (and kills itself on it).
                 deadline = None if r.spec.timeout is None or r.worker else start + r.spec.timeout
                 values = self._check(r, self._wait(r, future, deadline), n, prompts, completions)
-            except _CallFailed as exc:
+            except CallFailed as exc:
                 if exc.timed_out:
                     if r.spec.on_error == "none":
                         values = [None] * n
@@ -674,17 +430,14 @@ class RewardRunner:
         return out.reshape(n, len(self._rewards))  # (N, K)
 
 
-def reward_metrics(rewards: Tensor, names: Sequence[str]) -> dict[str, float]:
-    """``rewards/<name>/mean`` and ``/std`` per column of an (N, K) reward tensor (NaN-aware,
-    sample std as in TRL; NaN when a reward scored no sample)."""
-    import torch
-
-    metrics: dict[str, float] = {}
-    for k, name in enumerate(names):
-        col = rewards[:, k]  # (N,)
-        valid = col[~torch.isnan(col)]
-        mean = valid.mean().item() if valid.numel() else math.nan
-        std = valid.std().item() if valid.numel() > 1 else (0.0 if valid.numel() == 1 else math.nan)
-        metrics[f"rewards/{name}/mean"] = mean
-        metrics[f"rewards/{name}/std"] = std
-    return metrics
+def reward_runner(
+    config: GRPOConfig, registry: Registry, rewards: Sequence[Callable[..., Any]] | None = None, task: Any = None
+) -> RewardRunner:
+    """The rewards of a run: the given callables (weighted by ``config.reward_weights``), else
+    ``config.rewards``, else the task's default rewards (``task`` built, or looked up)."""
+    if rewards is not None:
+        return RewardRunner(list(rewards), registry, reward_weights=config.reward_weights)
+    ref = component_ref(config.task)
+    if task is None and ref is not None and not config.rewards:
+        task = registry.get("task", ref.name)  # only its default rewards
+    return RewardRunner(reward_specs_for(config, task), registry)

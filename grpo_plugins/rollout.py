@@ -1,0 +1,371 @@
+"""One generation cycle's data: generate -> score -> advantages -> old/reference log-probs.
+
+:class:`RolloutMaker` turns the prompts that the :class:`~grpo_plugins.batching.BatchPlan`
+assigns to this process for a cycle into a :class:`Rollout`: the token tensors, the loss mask,
+one advantage per completion (computed over the whole, gathered batch), and the log-probs the
+micro-steps need. :class:`PromptStream` is the run's prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_plugins.batching import BatchPlan, Step
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.errors import TrainingError
+from grpo_plugins.guards import RunGuard
+from grpo_plugins.metrics import MetricsWriter, completion_metrics, reward_metrics
+from grpo_plugins.registry import Registry
+
+
+@dataclass
+class Rollout:
+    """One process's share of a generation batch, ready for the micro-steps.
+
+    L rows (``plan.completions_per_process``); P prompt and T completion columns.
+    """
+
+    prompt_index: list[int]  # (L,) position of each row's prompt in the run's prompt stream
+    input_ids: Tensor  # (L, P+T) left-padded prompt, then right-padded completion
+    attention_mask: Tensor  # (L, P+T)
+    loss_mask: Tensor  # (L, T) float completion mask, truncated rows zeroed when masking them
+    advantages: Tensor  # (L,)
+    old_logps: Tensor | None  # (L, T) when off-policy steps need them
+    ref_logps: Tensor | None  # (L, T) when beta != 0
+    sampling_logps: Tensor | None  # (L, T) when the rollout correction is on
+    window_items: list[float]  # active tokens of each accumulation window, all processes
+    metrics: dict[str, float]  # reward and completion statistics of the whole batch
+    num_tokens: int  # prompt + completion tokens of the whole batch (all processes)
+    generate_seconds: float
+    reward_seconds: float
+    nonfinite: str | None = None  # the component that produced a NaN/inf reward or advantage
+
+    def to_state(self) -> dict[str, Any]:
+        """The fields as a dict (what a mid-cycle checkpoint saves)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], device: torch.device | str = "cpu") -> Rollout:
+        """The rollout saved by :meth:`to_state`, its tensors moved to ``device``."""
+        return cls(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in state.items()})
+
+
+class RewardFailed(Exception):
+    """A reward failed on some process during a rollout (``error`` is what to raise)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class PromptStream:
+    """The run's prompt order: the dataset shuffled with a fresh seeded permutation per epoch.
+
+    ``row(i)`` is the dataset row behind prompt index ``i`` (the index ``plan`` shows).
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self._epoch: int = -1
+        self._perm: list[int] = []
+
+    def row(self, index: int) -> int:
+        epoch, pos = divmod(index, self.size)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.size, generator=generator).tolist()
+            self._epoch = epoch
+        return self._perm[pos]
+
+
+def accumulation_windows(steps: Sequence[Step]) -> list[int]:
+    """For each micro-step of a cycle, the index of the accumulation window it belongs to."""
+    out, w = [], 0
+    for step in steps:
+        out.append(w)
+        if step.optimizer_update:
+            w += 1
+    return out
+
+
+def trim_padding(input_ids: Tensor, attention_mask: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+    """Drop prompt columns that are padding in every row and completion columns past the longest
+    completion; returns (ids, mask, kept completion length t >= 1)."""
+    P = input_ids.shape[1] - T
+    comp = attention_mask[:, P:]  # (B, T)
+    t = max(1, int(comp.sum(1).max()) if comp.numel() else 1)
+    prompt_any = attention_mask[:, :P].any(0)  # (P,)
+    first = int(prompt_any.float().argmax()) if bool(prompt_any.any()) else P
+    first = min(first, max(P - 1, 0))
+    end = P + t
+    return input_ids[:, first:end], attention_mask[:, first:end], t
+
+
+def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
+    """Whether a run keeps the sampler's log-probs, which turns the rollout correction on.
+
+    ``vllm_importance_sampling_correction`` has one meaning everywhere: "auto" corrects exactly
+    when the sampler is not the trained policy. The engine knows that from the generator
+    (``samples_from_policy``); :func:`~grpo_plugins.objective.compute_loss` from whether it is
+    given sampler log-probs, which the engine passes only in that case (or when forced on).
+    """
+    if setting == "auto":
+        return not getattr(generator, "samples_from_policy", True)
+    return bool(setting)
+
+
+@dataclass
+class Policy:
+    """The model being trained, as the rollout and the micro-steps see it.
+
+    Attributes:
+        model: the accelerate-prepared model (DDP-wrapped on several processes).
+        unwrapped: the same model without wrappers.
+        ref_model: a frozen copy for the KL term (full fine-tuning with ``beta != 0``), else None.
+        is_peft: a peft model: with ``beta != 0`` its reference is the adapter disabled.
+        layers: a context manager factory under which forwards run (compiled layers, if any).
+        chunk_fn: the compiled log-softmax chunk, or None.
+    """
+
+    model: Any
+    unwrapped: Any
+    ref_model: Any
+    is_peft: bool
+    layers: Callable[[], AbstractContextManager[None]]
+    chunk_fn: Callable[..., Any] | None
+
+
+class RolloutMaker:
+    """Makes the :class:`Rollout` of each generation cycle for one process.
+
+    Args:
+        config: the run config.
+        accelerator: the run's ``accelerate.Accelerator``.
+        plan: the batch plan.
+        policy: the model being trained.
+        tokenizer: its tokenizer.
+        dataset: the prompts (a ``datasets.Dataset``) and any columns the rewards read.
+        prompt_column: the dataset column holding the prompt.
+        generator: the built generation backend (set up already).
+        rewards: the run's :class:`~grpo_plugins.rewards.RewardRunner`.
+        scaling: the built ``reward_scaling`` component.
+        correction: whether the rollout correction is on (sampling log-probs are kept).
+        guard: the run's guard (NaN/inf checks).
+        registry: the run's registry.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        accelerator: Any,
+        plan: BatchPlan,
+        policy: Policy,
+        tokenizer: Any,
+        dataset: Any,
+        prompt_column: str,
+        generator: Any,
+        rewards: Any,
+        scaling: Any,
+        correction: bool,
+        guard: RunGuard,
+        registry: Registry,
+    ) -> None:
+        self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
+        self.tokenizer, self.dataset, self.prompt_column = tokenizer, dataset, prompt_column
+        self.generator, self.rewards, self.scaling = generator, rewards, scaling
+        self.correction, self.guard, self.registry = correction, guard, registry
+        self.stream = PromptStream(len(dataset), config.seed)
+
+    def make(self, cycle: int, step_number: int, writer: MetricsWriter | None = None) -> Rollout:
+        """The rollout of ``cycle``; ``step_number`` is the optimizer step it leads to (for
+        messages and logged completions).
+
+        Raises:
+            RewardFailed: a reward failed on some process.
+            NonFiniteError: a NaN/inf reward or advantage with ``on_nonfinite: stop``.
+        """
+        from grpo_plugins.data import encode_prompts, left_pad
+
+        cfg, acc, plan = self.config, self.accelerator, self.plan
+        share = plan.prompt_indices(cycle)[plan.process_rows(acc.process_index)]  # (L,) prompt per row
+        unique = sorted(set(share))
+        rows = {i: self.dataset[self.stream.row(i)] for i in unique}
+        encoded = encode_prompts(
+            self.tokenizer,
+            [rows[i][self.prompt_column] for i in unique],
+            max_prompt_length=cfg.max_prompt_length,
+            truncation=cfg.prompt_truncation,
+        )
+        ids_of = dict(zip(unique, encoded))
+        prompt_ids = [list(ids_of[i]) for i in share]
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.generator.generate(prompt_ids)
+        generate_seconds = time.perf_counter() - t0
+
+        completion_ids = out.completion_ids.to(acc.device)  # (L, T)
+        completion_mask = out.completion_mask.to(acc.device).long()  # (L, T)
+        truncated = out.is_truncated.to(acc.device).bool()  # (L,)
+        lengths = completion_mask.sum(1)  # (L,)
+        prompts = [rows[i][self.prompt_column] for i in share]
+        columns = {n: [rows[i][n] for i in share] for n in self.dataset.column_names if n != self.prompt_column}
+
+        t0 = time.perf_counter()
+        local_rewards, texts = self._score(prompts, completion_ids, lengths, columns, step_number)  # (L, K)
+        reward_seconds = time.perf_counter() - t0
+        advantages, all_rewards, nonfinite = self._advantages(local_rewards, step_number)  # (L,) (N, K)
+
+        loss_mask = completion_mask.float()  # (L, T)
+        if cfg.mask_truncated_completions:
+            loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
+        prompt_tensor, prompt_mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device=acc.device)  # (L, P)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (L, P+T)
+        steps = plan.cycle(cycle, acc.process_index)
+        if cfg.log_completions and writer is not None:
+            self._log_completions(writer, step_number, prompts, texts, local_rewards, advantages)
+
+        rollout = Rollout(
+            prompt_index=list(share),
+            input_ids=torch.cat([prompt_tensor, completion_ids], dim=1),  # (L, P+T)
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            advantages=advantages,
+            old_logps=None,
+            ref_logps=None,
+            sampling_logps=self._sampling_logps(out),
+            window_items=self._window_items(loss_mask, steps),
+            metrics={
+                **reward_metrics(all_rewards, self.rewards.names, self.rewards.weights, plan.num_generations),
+                **completion_metrics(acc.gather(lengths), acc.gather(truncated.long()).bool()),
+            },
+            num_tokens=int(acc.reduce(attention_mask.sum().double(), reduction="sum")),
+            generate_seconds=generate_seconds,
+            reward_seconds=reward_seconds,
+            nonfinite=nonfinite,
+        )
+        with self.guard.phase("log-probs", step_number):
+            self._add_logps(rollout, steps)
+        return rollout
+
+    # -- the stages ----------------------------------------------------------------------------
+
+    def _score(
+        self, prompts: list[Any], completion_ids: Tensor, lengths: Tensor, columns: dict[str, list[Any]], step_number: int
+    ) -> tuple[Tensor, list[str]]:
+        """(L, K) rewards of this process's completions, and their texts. A failure on any
+        process raises RewardFailed on every process."""
+        from grpo_plugins.rewards import RewardError
+
+        acc = self.accelerator
+        id_lists = [completion_ids[i, : int(lengths[i])].tolist() for i in range(len(prompts))]
+        texts = self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+        error: Exception | None = None
+        try:
+            local = self.rewards(prompts, texts, id_lists, columns, step=step_number - 1).to(acc.device)  # (L, K)
+        except RewardError as exc:
+            error = exc
+            local = torch.zeros(len(prompts), len(self.rewards.names), device=acc.device)
+        failed = acc.gather(torch.tensor([1.0 if error is not None else 0.0], device=acc.device))
+        if bool(failed.any()):
+            if error is None:
+                error = TrainingError(f"a reward failed on process {int(failed.nonzero()[0])}; see its message")
+            raise RewardFailed(error)
+        return local, texts
+
+    def _advantages(self, local_rewards: Tensor, step_number: int) -> tuple[Tensor, Tensor, str | None]:
+        """This process's (L,) advantages, computed over the whole gathered (N, K) reward table."""
+        from grpo_plugins.advantages import compute_advantages
+
+        acc, L = self.accelerator, self.plan.completions_per_process
+        all_rewards = acc.gather(local_rewards)  # (N, K) N = L * num_processes, process order
+        advantages_all = compute_advantages(
+            all_rewards.double(),
+            num_generations=self.plan.num_generations,
+            reward_weights=self.rewards.weights,
+            scale_rewards=self.scaling,
+            multi_objective_aggregation=self.config.multi_objective_aggregation,
+            registry=self.registry,
+        ).float()  # (N,)
+        nonfinite = self.guard.check_rollout(all_rewards, advantages_all, step_number)
+        rank = acc.process_index
+        return advantages_all[rank * L : (rank + 1) * L], all_rewards, nonfinite
+
+    def _window_items(self, loss_mask: Tensor, steps: list[Step]) -> list[float]:
+        """Active tokens of each accumulation window of the cycle, summed over all processes."""
+        windows = accumulation_windows(steps)
+        local = torch.zeros(max(windows) + 1, device=self.accelerator.device, dtype=torch.float64)
+        for k, step in enumerate(steps):
+            local[windows[k]] += loss_mask[step.rows].sum().double()
+        return self.accelerator.reduce(local, reduction="sum").tolist()
+
+    def _sampling_logps(self, out: Any) -> Tensor | None:
+        if not self.correction:
+            return None
+        if out.sampling_logps is None:
+            raise TrainingError(
+                "vllm_importance_sampling_correction is on but the generator returns no sampling "
+                "log-probs; set vllm_importance_sampling_correction: false or use a generator that does"
+            )
+        return out.sampling_logps.to(self.accelerator.device).float()  # (L, T)
+
+    def _add_logps(self, rollout: Rollout, steps: list[Step]) -> None:
+        """Old log-probs when an update falls inside the cycle; reference ones when beta != 0."""
+        policy = self.policy
+        if not self.plan.on_policy:
+            rollout.old_logps = self.batch_logps(rollout, policy.unwrapped, steps)
+        if self.config.beta != 0.0:
+            if policy.is_peft:
+                with policy.unwrapped.disable_adapter():
+                    rollout.ref_logps = self.batch_logps(rollout, policy.unwrapped, steps)
+            else:
+                rollout.ref_logps = self.batch_logps(rollout, policy.ref_model, steps)
+
+    def batch_logps(self, rollout: Rollout, model: Any, steps: list[Step]) -> Tensor:
+        """(L, T) log-probs of the whole share, one micro-batch at a time, without gradients."""
+        from grpo_plugins.logprobs import completion_logps
+        from grpo_plugins.row_chunks import row_chunks
+
+        cfg = self.config
+        T = rollout.loss_mask.shape[1]
+        out = torch.zeros_like(rollout.loss_mask)  # (L, T)
+        with torch.no_grad(), self.accelerator.autocast(), self.policy.layers():
+            for step in steps[: self.plan.steps_per_generation]:
+                # Trimmed per micro-batch, as in the training step, so each row sees the same input.
+                ids, att, t = trim_padding(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T)
+                rows = out[step.rows]  # (B, T) view
+                for c in row_chunks(ids.shape[0], cfg.train_chunk_rows):
+                    logps, _ = completion_logps(
+                        model, ids[c], att[c], t, temperature=cfg.temperature,
+                        chunk_size=cfg.logprob_chunk_size, chunk_fn=self.policy.chunk_fn,
+                    )  # (b, t)
+                    rows[c, :t] = logps.float()
+        return out
+
+    def _log_completions(
+        self, writer: MetricsWriter, step_number: int, prompts: list[Any], texts: list[str], rewards: Tensor, advantages: Tensor
+    ) -> None:
+        from accelerate.utils import gather_object
+
+        names = self.rewards.names
+        records = [
+            {
+                "prompt": p,
+                "completion": c,
+                "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, r.tolist())},
+                "advantage": float(a),
+            }
+            for p, c, r, a in zip(prompts, texts, rewards.cpu(), advantages.cpu())
+        ]
+        records = gather_object(records) if self.accelerator.num_processes > 1 else records
+        writer.log_completions(step_number, records)
+

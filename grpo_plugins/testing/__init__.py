@@ -1,0 +1,64 @@
+"""Helpers for testing grpo-plugins and plugins written for it, with no network and no hub.
+
+* :mod:`~grpo_plugins.testing.tiny`: :func:`build_tiny_tokenizer`, :func:`tiny_model_config`
+  and :func:`tiny_model_spec` (a tiny random Llama or Qwen2 and a character-level tokenizer);
+* :mod:`~grpo_plugins.testing.registries`: :func:`registered_plugin`,
+  :func:`registered_component` and :func:`isolated_registry` register plugins or components for
+  the duration of a test and restore the registry afterwards;
+* :mod:`~grpo_plugins.testing.contracts`: :func:`check_component` and :func:`check_plugin`
+  check components against the interface of their kind and raise
+  :class:`ComponentContractError` listing everything that is wrong (docs/plugins.md, "Testing a
+  plugin").
+"""
+
+from __future__ import annotations
+
+from grpo_plugins.kinds import reward_interface
+from grpo_plugins.testing.contracts import (
+    INTERFACES,
+    ComponentContractError,
+    check_component,
+    check_plugin,
+    format_signature,
+    interface_methods,
+    interface_signatures,
+)
+from grpo_plugins.testing.registries import (
+    TEST_DISTRIBUTION,
+    isolated_registry,
+    registered_component,
+    registered_plugin,
+)
+from grpo_plugins.testing.tiny import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    PAD,
+    build_tiny_tokenizer,
+    tiny_model_config,
+    tiny_model_spec,
+    tiny_vocab_size,
+)
+
+__all__ = [
+    "BOS",
+    "CHAT_TEMPLATE",
+    "EOS",
+    "INTERFACES",
+    "PAD",
+    "TEST_DISTRIBUTION",
+    "ComponentContractError",
+    "build_tiny_tokenizer",
+    "check_component",
+    "check_plugin",
+    "format_signature",
+    "interface_methods",
+    "interface_signatures",
+    "isolated_registry",
+    "registered_component",
+    "registered_plugin",
+    "reward_interface",
+    "tiny_model_config",
+    "tiny_model_spec",
+    "tiny_vocab_size",
+]

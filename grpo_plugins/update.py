@@ -1,0 +1,226 @@
+"""The policy update: micro-steps (forward + backward with accumulation) and optimizer steps.
+
+:class:`PolicyUpdate` runs one micro-step of the plan on a :class:`~grpo_plugins.rollout.Rollout`
+(``train_chunk_rows`` rows per forward+backward, DDP gradient sync only on the backward that
+ends an accumulation window), collects the loss and metrics of the window in an
+:class:`AccumulationWindow`, and at the window's end clips the gradient norm, steps the
+optimizer and the scheduler, and returns the step's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_plugins.batching import BatchPlan, Step
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.guards import RunGuard
+from grpo_plugins.objective import LossMetrics
+from grpo_plugins.rollout import Policy, Rollout, trim_padding
+
+
+@dataclass
+class AccumulationWindow:
+    """What the micro-steps of one accumulation window produced, until its optimizer step."""
+
+    losses: list[Tensor] = field(default_factory=list)  # one 0-d loss per micro-step
+    metrics: list[LossMetrics] = field(default_factory=list)
+    entropy_sum: float | Tensor = 0.0  # over the active tokens of the window (this process)
+    entropy_count: float | Tensor = 0.0
+
+    def add(self, loss: Tensor, metrics: LossMetrics, entropy_sum: Tensor, entropy_count: Tensor) -> None:
+        self.losses.append(loss)
+        self.metrics.append(metrics)
+        self.entropy_sum = entropy_sum + self.entropy_sum
+        self.entropy_count = entropy_count + self.entropy_count
+
+
+class PolicyUpdate:
+    """Micro-steps and optimizer steps of one run.
+
+    Args:
+        config: the run config.
+        accelerator: the run's ``accelerate.Accelerator``.
+        plan: the batch plan.
+        policy: the model being trained.
+        trainable: its trainable parameters (what the gradient norm is clipped over).
+        optimizer: the accelerate-prepared optimizer.
+        scheduler: the learning-rate scheduler (stepped once per optimizer step).
+        loss_settings: the :func:`~grpo_plugins.objective.compute_loss` settings, components
+            built.
+        guard: the run's guard (NaN/inf checks of loss and gradients).
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        accelerator: Any,
+        plan: BatchPlan,
+        policy: Policy,
+        trainable: list[torch.nn.Parameter],
+        optimizer: Any,
+        scheduler: Any,
+        loss_settings: dict[str, Any],
+        guard: RunGuard,
+    ) -> None:
+        self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
+        self.trainable, self.optimizer, self.scheduler = trainable, optimizer, scheduler
+        self.loss_settings, self.guard = loss_settings, guard
+
+    def micro_step(self, rollout: Rollout, step: Step, window_items: float, window: AccumulationWindow) -> None:
+        """Forward+backward of one micro-step, ``train_chunk_rows`` rows at a time (the gradient,
+        loss and metrics equal those of the whole micro-batch at once; see row_chunks), added to
+        ``window``."""
+        from grpo_plugins.logprobs import completion_logps
+        from grpo_plugins.objective import compute_loss
+        from grpo_plugins.row_chunks import ChunkedReduction, row_chunks
+
+        acc, cfg, policy = self.accelerator, self.config, self.policy
+        r = step.rows
+        T = rollout.loss_mask.shape[1]
+        ids, att, t = trim_padding(rollout.input_ids[r], rollout.attention_mask[r], T)  # (B, P'+t)
+        mask = rollout.loss_mask[r, :t]  # (B, t)
+        advantages = rollout.advantages[r]  # (B,)
+        chunks = row_chunks(mask.shape[0], cfg.train_chunk_rows)
+
+        def cut(x: Tensor | None, c: slice) -> Tensor | None:
+            return None if x is None else x[r, :t][c]
+
+        losses: list[Tensor] = []
+        metrics: list[LossMetrics] = []
+        ent_sum = torch.zeros((), device=acc.device)
+        for i, c in enumerate(chunks):
+            # DDP syncs gradients once, on the backward that ends the accumulation window.
+            last = i == len(chunks) - 1
+            sync = contextlib.nullcontext() if step.optimizer_update and last else acc.no_sync(policy.model)
+            settings = self.loss_settings
+            if len(chunks) > 1:
+                settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
+            # Backward inside layers() too: activation checkpointing recomputes the layers then.
+            with sync, policy.layers():
+                with acc.autocast():
+                    logps, entropy = completion_logps(
+                        policy.model, ids[c], att[c], t, temperature=cfg.temperature,
+                        chunk_size=cfg.logprob_chunk_size, with_entropy=True, chunk_fn=policy.chunk_fn,
+                    )  # (b, t) (b, t)
+                    loss, chunk_metrics = compute_loss(
+                        logps,
+                        cut(rollout.old_logps, c),
+                        advantages[c],
+                        mask[c],
+                        ref_per_token_logps=cut(rollout.ref_logps, c),
+                        sampling_per_token_logps=cut(rollout.sampling_logps, c),
+                        num_items_in_batch=window_items,
+                        num_processes=acc.num_processes,
+                        gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                        **settings,
+                    )
+                acc.backward(loss)
+            assert entropy is not None
+            with torch.no_grad():
+                ent_sum = ent_sum + (entropy.detach().float() * mask[c]).sum()
+            losses.append(loss.detach().float())
+            metrics.append(chunk_metrics)
+        merged = metrics[0] if len(metrics) == 1 else LossMetrics.merge(metrics)
+        window.add(torch.stack(losses).sum(), merged, ent_sum, mask.sum())
+
+    def optimizer_step(
+        self, rollout: Rollout, window: AccumulationWindow, window_items: float, step_number: int
+    ) -> dict[str, float]:
+        """Clip, step the optimizer and the scheduler for ``window``; returns the step's metrics
+        (the rollout's reward and completion statistics, the loss metrics, loss, grad_norm,
+        learning_rate, entropy, nonfinite_skipped)."""
+        acc, cfg = self.accelerator, self.config
+        local_loss = torch.stack(window.losses).sum()
+        step_loss = acc.reduce(local_loss.reshape(1), reduction="mean")  # NaN/inf if any process's is
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+        grad_norm = acc.clip_grad_norm_(self.trainable, max_norm)
+        grad_norm_value = float(grad_norm) if grad_norm is not None else 0.0
+        lr = self.scheduler.get_last_lr()[0]
+        unwrapped = self.policy.unwrapped
+        grads = ((name, p.grad) for name, p in unwrapped.named_parameters() if p.requires_grad)
+        nonfinite = self.guard.check_update(
+            step_number, float(step_loss), grad_norm_value, grads, rollout.nonfinite, loss_scaling=acc.scaler is not None
+        )
+        # No active token in the whole window (e.g. all completions truncated and masked): the
+        # gradient is exactly zero and the parameters must not move, so AdamW does not step.
+        hold = nonfinite or window_items == 0
+        if hold:
+            self.optimizer.zero_grad(set_to_none=True)
+        if not hold or acc.scaler is not None:
+            # float16: step even when holding (no gradients, so nothing moves) so that the
+            # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
+            self.optimizer.step()
+        with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        merged = LossMetrics.merge(window.metrics).all_reduce(acc)
+        counts = torch.stack([torch.as_tensor(window.entropy_sum), torch.as_tensor(window.entropy_count)])
+        entropy = acc.reduce(counts.to(acc.device).double(), reduction="sum")
+        record: dict[str, float] = dict(rollout.metrics)
+        record.update({k: float(v) for k, v in merged.items()})
+        record.update(
+            {
+                "loss": float(step_loss) if math.isfinite(float(step_loss)) else 0.0,
+                "grad_norm": grad_norm_value if math.isfinite(grad_norm_value) else 0.0,
+                "learning_rate": float(lr),
+                "entropy": float(entropy[0] / entropy[1].clamp(min=1)),
+                "nonfinite_skipped": 1.0 if nonfinite else 0.0,
+            }
+        )
+        return record
+
+
+def trainable_parameters(model: Any, dtype: str) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates (float16 runs keep them in fp32: master weights
+    under autocast and a gradient scaler)."""
+    from grpo_plugins.errors import TrainingError
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise TrainingError("the model has no trainable parameters (all have requires_grad=False)")
+    if dtype == "float16":
+        for p in trainable:
+            p.data = p.data.float()
+    return trainable
+
+
+def make_optimizer(trainable: list[torch.nn.Parameter], config: GRPOConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``trainable``; weight decay only on matrices (not biases or norms)."""
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    # On CUDA the fused kernel: one launch per step and no parameter-sized temporaries (the
+    # default multi-tensor path allocates some, which set the peak memory of a small model).
+    fused = True if device.type == "cuda" else None
+    return torch.optim.AdamW(
+        groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, fused=fused
+    )
+
+
+def make_scheduler(config: GRPOConfig, optimizer: Any, total_steps: int) -> Any:
+    """The learning-rate schedule of ``config`` over ``total_steps`` optimizer steps (not
+    prepared by accelerate, which would step it once per process)."""
+    from transformers import get_scheduler
+
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+    kwargs: dict[str, Any] = {}
+    if config.lr_scheduler_type == "cosine_with_min_lr":
+        kwargs["scheduler_specific_kwargs"] = {"min_lr_rate": 0.1}
+    return get_scheduler(
+        config.lr_scheduler_type,
+        optimizer=optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        **kwargs,
+    )

@@ -332,10 +332,17 @@ class Registry:
     ) -> None:
         """Register a plugin object (a module or any object with ``@hookimpl`` functions) and run
         its registration hooks now. Errors mark it broken instead of raising (unless strict)."""
-        _ = self._state  # load entry points first, so their components come before this one's
-        label = name or getattr(plugin, "__name__", None) or repr(plugin)
-        if self._register_plugin(plugin, _PluginInfo(label, distribution, version)):
-            self._call_hooks([plugin])
+        self.add_plugins({name or getattr(plugin, "__name__", None) or repr(plugin): plugin}, distribution, version)
+
+    def add_plugins(
+        self, plugins: Mapping[str, object], distribution: str = LOCAL_DISTRIBUTION, version: str | None = None
+    ) -> None:
+        """Register several plugins (name -> plugin) and run their registration hooks together,
+        in one pluggy call per hook, as for the installed plugins (so ``tryfirst``, ``trylast``
+        and wrappers order them)."""
+        _ = self._state  # load entry points first, so their components come before these
+        ok = [p for label, p in plugins.items() if self._register_plugin(p, _PluginInfo(label, distribution, version))]
+        self._call_hooks(ok)
 
     def _register_plugin(self, plugin: object, info: _PluginInfo) -> bool:
         """Register ``plugin`` with pluggy and check its hooks; False (and broken) if they are wrong."""

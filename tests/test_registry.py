@@ -106,6 +106,69 @@ def test_broken_plugin_is_listed_with_its_error_and_the_rest_works(tmp_path: Pat
     assert "Traceback" not in table.stdout + table.stderr
 
 
+def test_a_misspelt_hook_and_a_missing_hookimpl_are_listed_as_broken_with_what_is_wrong(tmp_path: Path):
+    misspelt = "from grpo_plugins import hookimpl\n\n@hookimpl\ndef register_reward(register):\n    pass\n"
+    unmarked = "def register_rewards(register):\n    register(lambda prompts, completions, **kw: [0.0], name='x')\n"
+    site = make_distribution(tmp_path, "typo-plugin", "0.1.0", {"typo_rw_m": misspelt})
+    make_distribution(site, "unmarked-plugin", "0.2.0", {"unmarked_rw_m": unmarked})
+    listed = run_cli("list", "--json", path=site)
+    assert listed.returncode == 0, listed.stderr
+    broken = {b["distribution"]: b["error"] for b in json.loads(listed.stdout)["broken"]}
+    assert broken["typo-plugin"] == (
+        "'register_reward' is marked @hookimpl but is not a grpo-plugins hook; did you mean 'register_rewards'?"
+    )
+    assert broken["unmarked-plugin"] == (
+        "'register_rewards' is not decorated with @grpo_plugins.hookimpl, so it is never called"
+    )
+
+
+def test_two_modules_of_one_distribution_registering_one_name_are_a_duplicate(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+):
+    make_distribution(site, "twin-rewards", "1.0", {"twin_a_n": reward_plugin("twin"), "twin_b_n": reward_plugin("twin")})
+    _forget_modules(monkeypatch, "twin_a_n", "twin_b_n")
+    registry = Registry()
+    with pytest.raises(DuplicateComponentError, match=r"reward 'twin' is registered by 2 plugins of twin-rewards"):
+        registry.get("reward", "twin")
+    assert any({c.plugin for c in group} == {"twin_a_n", "twin_b_n"} for group in registry.duplicates())
+
+
+def test_re_registering_from_the_same_module_replaces():
+    registry = Registry(entry_points=False)
+    registry.register("reward", "cell", lambda prompts, completions, **kw: [0.0] * len(completions))
+    second = registry.register("reward", "cell", lambda prompts, completions, **kw: [1.0] * len(completions))
+    assert registry.get("reward", "cell") is second
+
+
+def test_hooks_are_called_through_pluggy_so_tryfirst_and_wrappers_work():
+    # Added together, as the installed plugins are loaded: one pluggy call per hook.
+    registry = Registry(entry_points=False)
+    calls: list[str] = []
+
+    class Late:
+        @hookimpl(trylast=True)
+        def register_rewards(self, register):
+            calls.append("late")
+
+    class Early:
+        @hookimpl(tryfirst=True)
+        def register_rewards(self, register):
+            calls.append("early")
+
+    class Wrapping:
+        @hookimpl(wrapper=True)
+        def register_rewards(self, register):
+            calls.append("wrapper before")
+            result = yield
+            calls.append("wrapper after")
+            register(lambda prompts, completions, **kw: [0.0] * len(completions), name="from_wrapper")
+            return result
+
+    registry.add_plugins({"late": Late(), "early": Early(), "wrapping": Wrapping()})
+    assert calls == ["wrapper before", "early", "late", "wrapper after"]
+    assert registry.get("reward", "from_wrapper").plugin == "wrapping"
+
+
 def test_a_broken_plugin_is_named_when_its_component_is_missing(site: Path, monkeypatch: pytest.MonkeyPatch):
     make_distribution(site, "bad-plugin", "6.6.6", {"bad_rw_d": "raise RuntimeError('boom at import')\n"})
     _forget_modules(monkeypatch, "bad_rw_d")
@@ -262,6 +325,25 @@ def test_a_hook_that_raises_marks_its_plugin_broken():
     ]
     assert registry.names("reward") == []  # nothing half-registered
     assert registry.names("loss_type") == ["fine_loss"]
+
+
+def test_a_hook_that_raises_in_a_joint_call_breaks_only_its_plugin():
+    registry = Registry(entry_points=False)
+
+    class Faulty:
+        @hookimpl(tryfirst=True)
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [0.0], name="half_registered")
+            raise ValueError("registration failed")
+
+    class Fine:
+        @hookimpl
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [1.0], name="fine_reward")
+
+    registry.add_plugins({"faulty": Faulty(), "fine": Fine()}, distribution="mixed-dist")
+    assert [(b.plugin, b.error) for b in registry.broken] == [("faulty", "ValueError: registration failed")]
+    assert registry.names("reward") == ["fine_reward"]
 
 
 def test_temporary_registration_is_undone():

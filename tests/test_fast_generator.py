@@ -12,7 +12,8 @@ from grpo_plugins.generators.static_cache import StaticCacheGenerator
 from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError, process_logits
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
-from grpo_plugins.registry import get_registry
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.registry import Registry, get_registry
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16, 17], [1, 40]]
 
@@ -225,6 +226,26 @@ def test_unsupported_model_falls_back_or_raises(tiny_model: dict) -> None:
     lenient.setup(gpt2, tokenizer, SamplingSettings(max_completion_length=4))
     out = lenient.generate(PROMPTS)
     assert out.completion_ids.shape[0] == len(PROMPTS) and out.sampling_logps is not None
+
+
+def test_the_fallback_is_built_from_the_run_registry(tiny_model: dict) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpo_plugins.generators import build_generator
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.testing import registered_component
+
+    class RunOwnTransformers(TransformersGenerator):
+        """Stands for the run registry's own 'transformers' generator."""
+
+    _, tokenizer = _load(tiny_model)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2)).eval()
+    run_registry = Registry()
+    run_registry.unregister("generator", "transformers")
+    with registered_component("generator", RunOwnTransformers, "transformers", registry=run_registry):
+        config = GRPOConfig(generator="static", max_completion_length=4)
+        generator = build_generator(config, run_registry, gpt2, tokenizer, torch.device("cpu"))
+        assert type(generator._fallback) is RunOwnTransformers  # not the process-wide registry's
 
 
 def test_ignore_eos_samples_the_full_length(llama: tuple) -> None:

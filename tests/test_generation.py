@@ -12,11 +12,11 @@ import torch
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.data import encode_prompts, left_pad
 from grpo_plugins.generators import GeneratorUnavailableError, generator_ref, vllm_available
+from grpo_plugins.generators.common import unwrap_model
 from grpo_plugins.generators.transformers_backend import (
     TransformersGenerator,
     TransformersGeneratorParams,
     finish_completions,
-    unwrap_model,
 )
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.logprobs import completion_logps

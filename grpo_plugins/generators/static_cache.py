@@ -57,7 +57,7 @@ class StaticCacheGenerator(Generator):
         import torch
 
         from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError
-        from grpo_plugins.generators.transformers_backend import eos_token_ids, unwrap_model
+        from grpo_plugins.generators.common import eos_token_ids, unwrap_model
         from grpo_plugins.models import prepare_tokenizer
 
         super().setup(model, tokenizer, sampling)
@@ -90,7 +90,9 @@ class StaticCacheGenerator(Generator):
 
         logger.warning("%s; falling back to generator 'transformers'", reason)
         self._decoder = None
-        self._fallback = get_registry().build("generator", "transformers")
+        registry = self.registry if self.registry is not None else get_registry()  # the run's, set by the engine
+        self._fallback = registry.build("generator", "transformers")
+        self._fallback.registry = registry
         self._fallback.setup(self.model, self.tokenizer, self.sampling)
 
     def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
@@ -111,16 +113,11 @@ class StaticCacheGenerator(Generator):
     def _generate_seeded(self, prompt_ids: list[list[int]]) -> Any:
         """Decode under the seed ``sampling.seed`` plus a per-call counter (as the transformers
         generator does), leaving the global RNG state as it was."""
-        import torch
+        from grpo_plugins.generators.common import seeded_call
 
         assert self._decoder is not None
-        seed = None if self.sampling.seed is None else self.sampling.seed * 1_000_003 + self.calls
-        self.calls += 1
-        device = self._decoder.parts.embed.weight.device
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        call, self.calls = self.calls, self.calls + 1
+        with seeded_call(self.sampling.seed, call, self._decoder.parts.embed.weight.device):
             return self._decoder.generate(prompt_ids)
 
     def state_dict(self) -> dict[str, int]:

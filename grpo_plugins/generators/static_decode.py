@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.generators.common import base_model, cut_at_eos
 from grpo_plugins.kinds import SamplingSettings
 
 #: model_type values whose decoder layers this loop reproduces exactly.
@@ -53,19 +54,9 @@ class DecoderParts:
     sliding_window: int | None
 
 
-def unwrap(model: Any) -> Any:
-    """The transformers model under DDP/accelerate and peft wrappers (peft's injected LoRA
-    layers stay in place, so calling its submodules applies the adapter)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
-
-
 def check_supported(model: Any) -> DecoderParts:
     """The decoder parts of ``model``; raises :class:`UnsupportedModelError` saying why not."""
-    base = unwrap(model)
+    base = base_model(model)
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -512,12 +503,8 @@ class StaticDecoder:
             is_eos = (tokens[:, :, None] == st.eos).any(dim=-1)  # (n, steps)
         else:
             is_eos = torch.zeros_like(tokens, dtype=torch.bool)
-        has_eos = is_eos.any(dim=1)  # (n,)
-        length = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, steps)  # (n,)
-        mask = torch.arange(steps, device=device)[None, :] < length[:, None]  # (n, steps)
-        width = int(length.max()) if n else 0
         if self.release_cache:
             self.clear()
-        tokens = tokens.masked_fill(~mask, self.pad_id)[:, :width]
-        logps = logps.masked_fill(~mask, 0.0)[:, :width]
-        return tokens, mask[:, :width].long(), ~has_eos, logps
+        tokens, mask, truncated, _ = cut_at_eos(tokens, is_eos, self.pad_id)  # (n, T) (n, T) (n,)
+        logps = logps[:, : mask.shape[1]].masked_fill(mask == 0, 0.0)
+        return tokens, mask, truncated, logps

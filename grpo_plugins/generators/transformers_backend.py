@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpo_plugins.generators.common import cut_at_eos, eos_token_ids, seeded_call, unwrap_model
 from grpo_plugins.kinds import GenerationOutput, Generator, SamplingSettings
 
 if TYPE_CHECKING:
@@ -35,13 +36,6 @@ class TransformersGeneratorParams(BaseModel):
     )
 
 
-def unwrap_model(model: Any) -> Any:
-    """The model inside DDP / FSDP / accelerate wrappers (no copy of the weights)."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
-
-
 @contextlib.contextmanager
 def full_parameters(model: Any) -> Iterator[None]:
     """Gather FSDP-sharded parameters for generation (a no-op for other models)."""
@@ -57,48 +51,16 @@ def full_parameters(model: Any) -> Iterator[None]:
         yield
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids of the tokenizer and of the model's generation config (e.g. Qwen has two)."""
-    ids: list[int] = []
-    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
-    generation_config = getattr(model, "generation_config", None)
-    candidates.append(getattr(generation_config, "eos_token_id", None))
-    for value in candidates:
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            if item is not None and int(item) not in ids:
-                ids.append(int(item))
-    return ids
-
-
 def finish_completions(
     completions: Tensor, eos_ids: list[int], pad_token_id: int, max_completion_length: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Cut raw sampled tokens at the first EOS.
-
-    Args:
-        completions: (B, T') tokens as sampled (anything after a row's EOS is ignored).
-
-    Returns:
-        completion_ids (B, T) right-padded with ``pad_token_id``, completion_mask (B, T) with 1 up
-        to and including the first EOS, is_truncated (B,) (no EOS within
-        ``max_completion_length``), and lengths (B,); T is the longest kept completion.
-    """
+    """Cut raw sampled tokens (B, T') at ``max_completion_length`` and the first EOS
+    (:func:`~grpo_plugins.generators.common.cut_at_eos`)."""
     import torch
 
     completions = completions[:, :max_completion_length]
-    B, width = completions.shape
     is_eos = torch.isin(completions, torch.tensor(eos_ids, device=completions.device))  # (B, T')
-    has_eos = is_eos.any(dim=1)  # (B,)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, width, dtype=torch.long))
-    lengths = torch.where(has_eos, first_eos + 1, first_eos)  # (B,) tokens kept, EOS included
-    T = max(int(lengths.max()), 1) if B else 1
-    positions = torch.arange(width, device=completions.device).unsqueeze(0)  # (1, T')
-    mask = (positions < lengths.unsqueeze(1)).long()  # (B, T')
-    ids = torch.where(mask.bool(), completions, torch.full_like(completions, pad_token_id))
-    if width < T:  # only when nothing was sampled at all
-        pad = torch.full((B, T - width), pad_token_id, dtype=ids.dtype, device=ids.device)
-        ids, mask = torch.cat([ids, pad], 1), torch.cat([mask, torch.zeros_like(pad)], 1)
-    return ids[:, :T], mask[:, :T], ~has_eos, lengths
+    return cut_at_eos(completions, is_eos, pad_token_id)
 
 
 def _sampled_logps_recorder() -> Any:
@@ -233,17 +195,13 @@ class TransformersGenerator(Generator):
         wrapped = self.model
         model = unwrap_model(wrapped)
         was_training = model.training
-        seed = None if self.sampling.seed is None else self.sampling.seed * 1_000_003 + self.calls
-        self.calls += 1
+        call, self.calls = self.calls, self.calls + 1
         device = next(model.parameters()).device
-        rng_devices = [device] if device.type == "cuda" else []
         batch = self.params.batch_size or max(len(prompt_ids), 1)
         pieces: list[tuple[Tensor, Tensor]] = []
         model.eval()  # also turns gradient checkpointing off, so the KV cache is used
         try:
-            with torch.random.fork_rng(devices=rng_devices, enabled=seed is not None), torch.no_grad(), full_parameters(wrapped):
-                if seed is not None:
-                    torch.manual_seed(seed)
+            with seeded_call(self.sampling.seed, call, device), torch.no_grad(), full_parameters(wrapped):
                 for start in range(0, len(prompt_ids), batch):
                     pieces.append(self._generate_batch(model, prompt_ids[start : start + batch]))
         finally:

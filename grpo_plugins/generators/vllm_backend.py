@@ -139,7 +139,7 @@ class VLLMGenerator(Generator):
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
         super().setup(model, tokenizer, sampling)
         self._vllm = _import_vllm()
-        from grpo_plugins.generators.transformers_backend import unwrap_model
+        from grpo_plugins.generators.common import unwrap_model
 
         policy = unwrap_model(model)
         self.llm = self._vllm.LLM(**self.engine_arguments(policy))
@@ -189,7 +189,7 @@ class VLLMGenerator(Generator):
         """Load the current policy weights into the engine, then drop its prefix cache."""
         if self.llm is None or not self.params.sync_weights:
             return
-        from grpo_plugins.generators.transformers_backend import unwrap_model
+        from grpo_plugins.generators.common import unwrap_model
 
         # A generator: merged LoRA weights exist one at a time, consumed by the single
         # in-process worker of this process's engine.
@@ -238,7 +238,7 @@ class VLLMGenerator(Generator):
         """Convert vLLM CompletionOutputs (token_ids, logprobs, finish_reason) into tensors."""
         import torch
 
-        from grpo_plugins.generators.transformers_backend import eos_token_ids, unwrap_model
+        from grpo_plugins.generators.common import eos_token_ids, unwrap_model
 
         eos = set(eos_token_ids(unwrap_model(self.model), self.tokenizer))
         pad = self.tokenizer.pad_token_id

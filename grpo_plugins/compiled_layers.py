@@ -26,7 +26,7 @@ import torch
 
 from grpo_plugins.logprobs import chunk_logps
 
-__all__ = ["CompiledLayers", "decoder_layers"]
+__all__ = ["CompiledLayers", "compiled_layers_for", "decoder_layers", "layers_active"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +83,43 @@ class CompiledLayers:
             logger.info("compile_layers: the model exposes no decoder layer list; training stays eager")
             return None
         return cls(layers, backend=backend)
+
+
+def compiled_layers_for(model: Any, compile_layers: bool | None, device: torch.device) -> CompiledLayers | None:
+    """The decoder layers' compiled forwards for the training and log-prob passes, or None
+    (``compile_layers`` None: on when training on CUDA)."""
+    on_cuda = device.type == "cuda"
+    if not (on_cuda if compile_layers is None else compile_layers):
+        return None
+    # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
+    # same graphs without needing a C++ compiler (what the CPU tests exercise).
+    return CompiledLayers.for_model(model, backend="inductor" if on_cuda else "aot_eager")
+
+
+@contextlib.contextmanager
+def layers_active(compiled: CompiledLayers | None) -> Iterator[None]:
+    """The compiled layers inside the block (when there are any); a compilation failure becomes
+    one clear error instead of torch.compile's traceback."""
+    if compiled is None:
+        yield
+        return
+    from torch._dynamo.exc import TorchDynamoException
+
+    from grpo_plugins.errors import TrainingError
+
+    try:
+        with compiled.active():
+            yield
+    except TorchDynamoException as exc:
+        cause: BaseException = exc
+        while True:  # down to the backend's own error (BackendCompilerFailed wraps it)
+            inner = getattr(cause, "inner_exception", None) or cause.__cause__
+            if not isinstance(inner, BaseException):
+                break
+            cause = inner
+        text = str(cause).strip()
+        reason = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
+        raise TrainingError(
+            f"compile_layers: torch.compile failed on this model ({reason}); "
+            "set compile_layers: false to train without compiling"
+        ) from exc

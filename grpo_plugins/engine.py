@@ -20,13 +20,13 @@ The same script runs on a CPU, one GPU, or several processes under ``accelerate 
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from grpo_plugins.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.generators import build_generator
@@ -138,7 +139,6 @@ class Engine:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.compiled_layers: Any = None
-        self._chunk_fn: Callable[..., Any] | None = None
         self.generator: Any = None
         self.task: Any = None
         self.dataset: Any = None
@@ -154,11 +154,6 @@ class Engine:
         self.num_tokens = 0
         self.writer: MetricsWriter | None = None
         self.log: StepLog | None = None
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every metrics record this run logged so far (main process)."""
-        return self.log.history if self.log is not None else []
 
     # -- public --------------------------------------------------------------------------------
 
@@ -193,7 +188,11 @@ class Engine:
         self.rewards = reward_runner(cfg, self.registry, self._given_rewards, self.task)
         self.guard = RunGuard(cfg, self.rewards.names, self.registry)
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)
-        policy = Policy(self.model, self.unwrapped, self.ref_model, self.is_peft, self._layers, self._chunk_fn)
+        compiled = self.compiled_layers
+        policy = Policy(
+            self.model, self.unwrapped, self.ref_model, self.is_peft, functools.partial(layers_active, compiled),
+            compiled.chunk_logps if compiled is not None else None,
+        )
         reg = self.registry
         self.rollouts = RolloutMaker(
             cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.generator,
@@ -219,46 +218,7 @@ class Engine:
         self.trainable = trainable_parameters(model, cfg.dtype)
         self.model, self.optimizer = acc.prepare(model, make_optimizer(self.trainable, cfg, acc.device))
         self.unwrapped = acc.unwrap_model(self.model)
-        self.compiled_layers = self._compile_layers()
-        self._chunk_fn = self.compiled_layers.chunk_logps if self.compiled_layers is not None else None
-
-    def _compile_layers(self) -> Any:
-        """The decoder layers' compiled forwards for the training and log-prob passes, or None."""
-        from grpo_plugins.compiled_layers import CompiledLayers
-
-        on_cuda = self.accelerator.device.type == "cuda"
-        wanted = self.config.compile_layers
-        if not (on_cuda if wanted is None else wanted):
-            return None
-        # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
-        # same graphs without needing a C++ compiler (what the CPU tests exercise).
-        return CompiledLayers.for_model(self.unwrapped, backend="inductor" if on_cuda else "aot_eager")
-
-    @contextlib.contextmanager
-    def _layers(self) -> Iterator[None]:
-        """The compiled layers inside the block (when on); a compilation failure becomes one
-        clear error instead of torch.compile's traceback."""
-        if self.compiled_layers is None:
-            yield
-            return
-        from torch._dynamo.exc import TorchDynamoException
-
-        try:
-            with self.compiled_layers.active():
-                yield
-        except TorchDynamoException as exc:
-            cause: BaseException = exc
-            while True:  # down to the backend's own error (BackendCompilerFailed wraps it)
-                inner = getattr(cause, "inner_exception", None) or cause.__cause__
-                if not isinstance(inner, BaseException):
-                    break
-                cause = inner
-            text = str(cause).strip()
-            reason = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
-            raise TrainingError(
-                f"compile_layers: torch.compile failed on this model ({reason}); "
-                "set compile_layers: false to train without compiling"
-            ) from exc
+        self.compiled_layers = compiled_layers_for(self.unwrapped, cfg.compile_layers, acc.device)
 
     def _load_data(self) -> None:
         from grpo_plugins.data import prepare_dataset
@@ -357,15 +317,9 @@ class Engine:
         return record
 
     def _trace(self, cycle: int, step: Step, rollout: Rollout) -> None:
-        self.trace.append(
-            {
-                "cycle": cycle,
-                "step": step.step,
-                "batch": rollout.prompt_index[step.rows],
-                "optimizer_update": step.optimizer_update,
-                "process": self.accelerator.process_index,
-            }
-        )
+        batch = rollout.prompt_index[step.rows]
+        process = self.accelerator.process_index
+        self.trace.append(dict(cycle=cycle, step=step.step, batch=batch, optimizer_update=step.optimizer_update, process=process))
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -417,19 +371,10 @@ class Engine:
         if hasattr(self.generator, "state_dict"):
             state["generator"] = self.generator.state_dict()
         path = save_checkpoint(
-            acc,
-            self.output_dir,
-            self.global_step,
-            model=self.unwrapped,
-            tokenizer=self.tokenizer,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            rng_state=rng if rng is not None else capture_rng(),
-            rollout=rollout.to_state() if rollout is not None else None,
-            state=state,
-            config_yaml=self.config.to_yaml(),
-            save_total_limit=self.config.save_total_limit,
-            scaler=acc.scaler,
+            acc, self.output_dir, self.global_step, model=self.unwrapped, tokenizer=self.tokenizer,
+            optimizer=self.optimizer, scheduler=self.scheduler, rng_state=rng if rng is not None else capture_rng(),
+            rollout=rollout.to_state() if rollout is not None else None, state=state,
+            config_yaml=self.config.to_yaml(), save_total_limit=self.config.save_total_limit, scaler=acc.scaler,
         )
         self.guard.last_checkpoint = path
         return path

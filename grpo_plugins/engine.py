@@ -180,7 +180,8 @@ class Engine:
         from accelerate.utils import set_seed
 
         cfg = self.config
-        self.accelerator, self.plan = acc, _ = make_accelerator(cfg)
+        self.accelerator, self.plan = make_accelerator(cfg)
+        acc = self.accelerator
         set_seed(cfg.seed)
         self._load_model()
         self.generator = build_generator(cfg, self.registry, self.unwrapped, self.tokenizer, acc.device)

@@ -158,19 +158,49 @@ def test_kl_rollout_correction_and_iterations(tiny_model: dict, tmp_path: Path) 
     ids=["seed-ex1", "seed-ex3", "seed-ex4", "mu2"],
 )
 def test_micro_batches_consumed_equal_the_plan(tiny_model: dict, tmp_path: Path, batch: dict) -> None:
+    """What the generator, the rewards and the training forwards actually receive, mapped back to
+    prompt indices, is what `plan` shows (not the engine's own trace of the plan)."""
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.rollout import PromptStream
+    from grpo_plugins.testing import registered_component
+
     plan = make_plan(**batch)
     cycles = 2
+    model, tok = load_model(tiny_model, dtype="float32", seed=0)
+    texts = [row["prompt"] for row in PROMPTS]
+    generated: list[list[str]] = []  # the prompts of each generate() call
+    scored: list[list[str]] = []  # the prompts of each reward call
+    trained: list[list[str]] = []  # the prompts of the rows of each training forward
+
+    class Recording(TransformersGenerator):
+        def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
+            generated.append(tok.batch_decode(prompt_ids, skip_special_tokens=True))
+            return super().generate(prompt_ids)
+
+    def recording_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        scored.append(list(prompts))
+        return char_sum(completions)
+
+    def record_forward(module: Any, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():  # a training forward, not an old/ref log-prob pass
+            rows = tok.batch_decode(kwargs["input_ids"], skip_special_tokens=True)
+            trained.append([row[:2] for row in rows])  # every prompt is 2 characters
+
+    model.get_decoder().register_forward_pre_hook(record_forward, with_kwargs=True)
     cfg = _config(tiny_model, tmp_path, **batch, max_steps=cycles * plan.optimizer_steps_per_generation,
-                  max_completion_length=3)
-    engine = Engine(cfg, rewards=[char_sum], dataset=PROMPTS)
-    engine.train()
-    expected = [
-        {"cycle": c, "step": s.step, "batch": s.batch, "optimizer_update": s.optimizer_update}
-        for c in range(cycles)
-        for s in plan.cycle(c)
-    ]
-    consumed = [{k: t[k] for k in ("cycle", "step", "batch", "optimizer_update")} for t in engine.trace]
-    assert consumed == expected
+                  max_completion_length=3, generator="recording")
+    with registered_component("generator", Recording, "recording"):
+        Engine(cfg, model=model, tokenizer=tok, rewards=[recording_reward], dataset=PROMPTS).train()
+
+    stream = PromptStream(len(PROMPTS), seed=0)  # the run's seed
+
+    def prompts_of(indices: list[int]) -> list[str]:
+        return [texts[stream.row(i)] for i in indices]
+
+    expected_cycles = [prompts_of(plan.prompt_indices(c)) for c in range(cycles)]
+    assert generated == expected_cycles
+    assert scored == expected_cycles
+    assert trained == [prompts_of(list(s.batch)) for c in range(cycles) for s in plan.cycle(c)]
 
 
 # -- LoRA and the reference model ---------------------------------------------------------------

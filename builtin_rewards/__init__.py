@@ -2,7 +2,7 @@
 (group ``grpo_plugins``) exactly as a third-party plugin's are.
 
 Rewards: ``correct_answer``, ``exact_match``, ``math_verify``, ``format``, ``regex_match``,
-``length``, ``overlong_punishment``, ``repetition_penalty``, ``json_valid``, ``json_schema``,
+``length``, ``overlong_punishment``, ``ngram_repetition``, ``json_valid``, ``json_schema``,
 ``code_execution``, ``reward_model``. Task: ``arithmetic``. See docs/rewards.md.
 
 Nothing heavy is imported here (torch, transformers, datasets and math_verify are imported when
@@ -19,7 +19,7 @@ from builtin_rewards.answers import CorrectAnswer, ExactMatch, MathVerify
 from builtin_rewards.code_execution import CodeExecution
 from builtin_rewards.formats import AnswerFormat, RegexMatch
 from builtin_rewards.json_rewards import JsonSchemaMatch, JsonValid
-from builtin_rewards.lengths import LengthReward, OverlongPunishment, RepetitionPenalty
+from builtin_rewards.lengths import LengthReward, OverlongPunishment, NgramRepetition
 from builtin_rewards.reward_model import RewardModel
 from builtin_rewards.tasks import ArithmeticTask
 
@@ -31,7 +31,7 @@ REWARDS: dict[str, type] = {
     "regex_match": RegexMatch,
     "length": LengthReward,
     "overlong_punishment": OverlongPunishment,
-    "repetition_penalty": RepetitionPenalty,
+    "ngram_repetition": NgramRepetition,
     "json_valid": JsonValid,
     "json_schema": JsonSchemaMatch,
     "code_execution": CodeExecution,

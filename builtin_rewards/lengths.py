@@ -79,10 +79,13 @@ class OverlongPunishment:
         return out
 
 
-class RepetitionPenalty:
+class NgramRepetition:
     """Penalises repeated n-grams: ``-max_penalty * (1 - distinct n-grams / n-grams)``, so 0.0
     for text without a repeated n-gram and close to ``-max_penalty`` for a loop (Yeo et al.
     2025, "Demystifying Long Chain-of-Thought Reasoning")."""
+
+    #: Its name until 0.1: the same as the sampling parameter ``repetition_penalty``.
+    former_names = ("repetition_penalty",)
 
     class Params(_Params):
         ngram_size: int = Field(3, ge=1)

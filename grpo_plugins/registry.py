@@ -551,6 +551,10 @@ class Registry:
         return self.get(kind, name).build(params)
 
     def _unknown_message(self, kind: str, name: str) -> str:
+        bare = name.rpartition(":")[2]
+        renamed = [c for c in self.components(kind) if bare in getattr(c.obj, "former_names", ())]
+        if renamed:
+            return f"{kind} '{name}' has been renamed to '{renamed[0].name}' ({renamed[0].origin}); use the new name"
         names = self.names(kind)
         msg = f"unknown {kind} '{name}'"
         close = difflib.get_close_matches(name.rpartition(":")[2], names, n=3, cutoff=0.6)

@@ -56,7 +56,7 @@ def test_registration_imports_nothing_heavy():
         ("regex_match", {"pattern": r"\d"}, {}),
         ("length", {"target": 5, "unit": "chars"}, {}),
         ("overlong_punishment", {"max_completion_length": 20, "overlong_buffer_length": 5}, {}),
-        ("repetition_penalty", {}, {}),
+        ("ngram_repetition", {}, {}),
         ("json_valid", {}, {}),
         ("json_schema", {"schema": {"type": "number"}}, {}),
         ("code_execution", {"timeout": 2}, {"tests": [["assert True"]] * 3}),
@@ -179,12 +179,22 @@ def test_overlong_punishment_follows_dapo(registry):
     assert half(["q"], [""], completion_ids=[[0] * 18]) == pytest.approx([-0.3])
 
 
-def test_repetition_penalty(registry):
-    r = build(registry, "repetition_penalty", ngram_size=2)
+def test_the_former_name_repetition_penalty_says_it_was_renamed(registry):
+    from grpo_plugins.registry import UnknownComponentError
+    from grpo_plugins.validation import check_config
+
+    with pytest.raises(UnknownComponentError, match="reward 'repetition_penalty' has been renamed to 'ngram_repetition'"):
+        registry.get("reward", "repetition_penalty")
+    problems = dict(check_config({"rewards": ["repetition_penalty"]}, registry).problems)
+    assert "renamed to 'ngram_repetition'" in problems["rewards.0"]
+
+
+def test_ngram_repetition(registry):
+    r = build(registry, "ngram_repetition", ngram_size=2)
     # "a b a b a b": bigrams ab ba ab ba ab -> 2 distinct of 5 -> -(1 - 2/5)
     out = r(["q"] * 3, ["a b a b a b", "one two three four", "short"])
     assert out == pytest.approx([-0.6, 0.0, 0.0])
-    tokens = build(registry, "repetition_penalty", ngram_size=1, unit="tokens", max_penalty=2.0)
+    tokens = build(registry, "ngram_repetition", ngram_size=1, unit="tokens", max_penalty=2.0)
     assert tokens(["q"], ["x"], completion_ids=[[5, 5, 5, 5]]) == pytest.approx([-1.5])
 
 

@@ -29,7 +29,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from grpo_plugins import hookspecs
-from grpo_plugins.config import accepted_keys, model_key_message, validation_errors
+from grpo_plugins.config_errors import accepted_keys, model_key_message, validation_errors
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import KINDS
 

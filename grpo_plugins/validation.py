@@ -30,8 +30,8 @@ from grpo_plugins.config import (
     GRPOConfig,
     RewardSpec,
     load_config,
-    validation_errors,
 )
+from grpo_plugins.config_errors import validation_errors
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import COMPONENT_KINDS
 from grpo_plugins.registry import Component, ComponentParamsError, Registry, registry_for

@@ -180,6 +180,33 @@ def _could_be_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
 
 
+def _not_cached(source: str) -> str:
+    return (
+        f"'{source}' is neither a local directory nor a model in the Hugging Face cache, and "
+        f"grpo-plugins cannot download it (no hub access): copy the model to a local "
+        f"directory and set model to its path"
+    )
+
+
+def model_source_problem(name: str, revision: str | None = None) -> str | None:
+    """Why ``model: name`` cannot be loaded, found without loading anything (for ``validate``):
+    a missing path, or a hub id that is not in the local Hugging Face cache; None if it can."""
+    if name.startswith(BUILTIN_PREFIX):
+        try:
+            builtin_gguf_path(name[len(BUILTIN_PREFIX) :])
+        except GRPOPluginsError as exc:
+            return str(exc)
+        return None
+    if Path(name).expanduser().exists():
+        return None
+    if name.lower().endswith(".gguf") or not _could_be_hub_id(name):
+        return f"no such file or directory: {name}"
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    return None if isinstance(cached, str) else _not_cached(name)
+
+
 def _resolve_source(name: str) -> tuple[str, bool]:
     """(path or hub id to load with from_pretrained, whether it is local)."""
     if name.startswith(BUILTIN_PREFIX):
@@ -202,11 +229,7 @@ def _from_pretrained(loader: Any, source: str, local: bool, what: str, **kwargs:
     except (OSError, ValueError) as exc:
         if local:
             raise ModelLoadError(f"cannot load the {what} from '{source}': {exc}") from exc
-        raise ModelLoadError(
-            f"'{source}' is neither a local directory nor a model in the Hugging Face cache, and "
-            f"grpo-plugins cannot download it (no hub access): copy the model to a local "
-            f"directory and set model to its path"
-        ) from exc
+        raise ModelLoadError(_not_cached(source)) from exc
 
 
 def _config_from_spec(config: Mapping[str, Any] | str) -> Any:

@@ -10,7 +10,6 @@ and the batch plan is computed. All problems are collected and raised together a
 from __future__ import annotations
 
 import csv
-import importlib.util
 import inspect
 import json
 import os
@@ -125,6 +124,7 @@ def check_config(
             check.components[name] = component
     _check_rewards(check)
     _check_model(check)
+    _check_generator(check)
     _check_data(check)
     _check_reward_columns(check)
     try:
@@ -369,26 +369,31 @@ def _is_local_path(name: str) -> bool:
 
 
 def _check_model(check: ConfigCheck) -> None:
+    """The model (and a local tokenizer) can be loaded as train loads them: a path that exists, a
+    built-in whose file is installed, or a hub id that is in the local Hugging Face cache."""
+    from grpo_plugins.models import model_source_problem
+
     model = check.config.model
     if isinstance(model, str):
-        name, path = model, "model"
+        name, path, revision = model, "model", None
     else:
-        name, path = model.name_or_path, "model.name_or_path"
+        name, path, revision = model.name_or_path, "model.name_or_path", model.revision
         if model.tokenizer is not None and _is_local_path(model.tokenizer) and not os.path.exists(os.path.expanduser(model.tokenizer)):
             check.problems.append(("model.tokenizer", f"no such file or directory: {model.tokenizer}"))
-    if name is None:
-        return
-    if name.startswith("builtin:"):
-        try:
-            from grpo_plugins.models import builtin_gguf_path
-        except ImportError:  # the model loader is optional for this check
-            return
-        try:
-            builtin_gguf_path(name.removeprefix("builtin:"))
-        except GRPOPluginsError as exc:
-            check.problems.append((path, str(exc)))
-    elif _is_local_path(name) and not os.path.exists(os.path.expanduser(name)):
-        check.problems.append((path, f"no such file or directory: {name}"))
+    if name is not None:
+        problem = model_source_problem(name, revision)
+        if problem is not None:
+            check.problems.append((path, problem))
+
+
+def _check_generator(check: ConfigCheck) -> None:
+    """The generator a run would use is available here (fast_inference needs vLLM installed)."""
+    from grpo_plugins.generators import GeneratorUnavailableError, generator_ref
+
+    try:
+        generator_ref(check.config)
+    except GeneratorUnavailableError as exc:
+        check.problems.append(("fast_inference", str(exc)))
 
 
 def _warn_questionable(config: GRPOConfig) -> None:
@@ -399,17 +404,3 @@ def _warn_questionable(config: GRPOConfig) -> None:
             ConfigWarning,
             stacklevel=3,
         )
-    if config.fast_inference and config.generator is None and not _importable("vllm"):
-        warnings.warn(
-            "fast_inference is on but vLLM is not installed; the run will fail to start "
-            "(pip install vllm, or set fast_inference: false)",
-            ConfigWarning,
-            stacklevel=3,
-        )
-
-
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a stand-in module without a __spec__
-        return module in __import__("sys").modules

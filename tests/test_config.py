@@ -295,3 +295,30 @@ def test_config_reference_is_up_to_date():
     for name in GRPOConfig.model_fields:
         assert f"| `{name}` |" in committed
 
+
+
+# -- validate fails where train fails ----------------------------------------------------------
+
+
+def test_validate_fails_for_fast_inference_without_vllm(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grpo_plugins.generators as generators
+
+    monkeypatch.setattr(generators, "vllm_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"fast_inference: .*vLLM is not installed"):
+        validate_config({**BASE, "fast_inference": True}, registry)
+
+
+def test_validate_fails_for_a_hub_id_that_is_not_in_the_local_cache(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=r"model: 'acme/tiny-model' is neither a local directory nor a model in the Hugging Face cache"):
+        validate_config({**BASE, "model": "acme/tiny-model"}, registry)
+    snapshot = tmp_path / "hub" / "models--acme--tiny-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--acme--tiny-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-model" / "refs" / "main").write_text("abc123")
+    validate_config({**BASE, "model": "acme/tiny-model"}, registry)  # cached: fine

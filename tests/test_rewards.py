@@ -386,3 +386,27 @@ def test_a_failure_stops_a_loop_after_its_last_completed_step(registry, tmp_path
                 os.replace(tmp, ckpt)  # atomic: a checkpoint is whole or absent
     assert json.loads(ckpt.read_text()) == {"step": 2, "reward": 1.0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_step.json"]
+
+
+# -- completion text -----------------------------------------------------------------------------
+
+
+def test_completion_text_reads_plain_and_chat_completions():
+    assert grpo_plugins.completion_text("42") == "42"
+    assert grpo_plugins.completion_text([{"role": "assistant", "content": "<answer>42</answer>"}]) == "<answer>42</answer>"
+    assert grpo_plugins.completion_text([]) == ""
+
+
+def test_the_readme_reward_scores_chat_completions_by_their_text():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    source = block[block.index("@grpo_plugins.reward") :].split("\n\n", 1)[0]  # the reward alone
+    namespace: dict = {"grpo_plugins": grpo_plugins}
+    try:
+        exec(source, namespace)
+        chat = [[{"role": "user", "content": "2+2?"}]] * 2
+        with RewardRunner(["brevity"]) as runner:
+            scores = runner(chat, ["4", "The answer is 4."])[:, 0].tolist()
+    finally:
+        grpo_plugins.get_registry().unregister("reward", "brevity")
+    assert scores == pytest.approx([-0.01, -0.16])

@@ -295,6 +295,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{p.num_generations}, {p.optimizer_steps_per_generation} optimizer step(s) per generation "
             f"on {p.num_processes} process(es)"
         )
+    for b in check.registry.broken:  # not used by this config, but installed and not loaded
+        console.print(
+            f"  [yellow]broken plugin (not loaded):[/yellow] {b.plugin} from {b.distribution} "
+            f"{b.version or ''}: {b.error}",
+            soft_wrap=True,
+        )
     return 0
 
 

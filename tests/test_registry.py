@@ -120,6 +120,12 @@ def test_a_misspelt_hook_and_a_missing_hookimpl_are_listed_as_broken_with_what_i
     assert broken["unmarked-plugin"] == (
         "'register_rewards' is not decorated with @grpo_plugins.hookimpl, so it is never called"
     )
+    config = tmp_path / "run.yaml"
+    config.write_text("task: arithmetic\nnum_generations: 4\nper_device_train_batch_size: 4\n")
+    validated = run_cli("validate", str(config), path=site)
+    assert validated.returncode == 0, validated.stderr
+    out = " ".join(validated.stdout.split())
+    assert "broken plugin (not loaded): typo_rw_m from typo-plugin 0.1.0: 'register_reward' is marked @hookimpl" in out
 
 
 def test_two_modules_of_one_distribution_registering_one_name_are_a_duplicate(

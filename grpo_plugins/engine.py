@@ -35,13 +35,13 @@ import torch
 
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
-    write_atomic,
     capture_rng,
     latest_checkpoint,
     load_checkpoint,
     resolve_resume,
     restore_rng,
     save_checkpoint,
+    write_atomic,
 )
 from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
@@ -49,8 +49,8 @@ from grpo_plugins.errors import TrainingError
 from grpo_plugins.generators import build_generator
 from grpo_plugins.guards import NonFiniteError, RunGuard
 from grpo_plugins.metrics import MetricsWriter
-from grpo_plugins.registry import Registry, registry_for, resolve_component
 from grpo_plugins.objective import loss_settings
+from grpo_plugins.registry import Registry, registry_for, resolve_component
 from grpo_plugins.rewards import reward_runner
 from grpo_plugins.rollout import Policy, RewardFailed, Rollout, RolloutMaker, accumulation_windows, keeps_sampling_logps
 from grpo_plugins.runtime import make_accelerator

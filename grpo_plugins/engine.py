@@ -253,11 +253,13 @@ class Engine:
         if not self.trainable:
             raise TrainingError("the model has no trainable parameters (all have requires_grad=False)")
         if cfg.dtype == "float16":
-            # fp16 trains with fp32 master weights under autocast and a gradient scaler.
+            # fp16 trains with fp32 weights under autocast and a gradient scaler.
             for p in self.trainable:
                 p.data = p.data.float()
-        decay = [p for p in self.trainable if p.dim() >= 2]
-        no_decay = [p for p in self.trainable if p.dim() < 2]
+        self.master = self._master_weights()
+        opt_params = self.master.params if self.master is not None else self.trainable
+        decay = [p for p in opt_params if p.dim() >= 2]
+        no_decay = [p for p in opt_params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -272,6 +274,15 @@ class Engine:
         self.unwrapped = acc.unwrap_model(self.model)
         self.compiled_layers = self._compile_layers()
         self._chunk_fn = self.compiled_layers.chunk_logps if self.compiled_layers is not None else None
+
+    def _master_weights(self) -> Any:
+        """float32 master copies of 16-bit trainable weights (see ``precision``), or None."""
+        from grpo_plugins.precision import MasterWeights, needs_master_weights
+
+        wanted = self.config.master_weights
+        if wanted is False or not needs_master_weights(self.trainable):
+            return None
+        return MasterWeights(self.trainable)
 
     def _compile_layers(self) -> Any:
         """The decoder layers' compiled forwards for the training and log-prob passes, or None."""
@@ -455,6 +466,7 @@ class Engine:
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
                 scaler=acc.scaler,
+                master_weights=self.master,
             )
             self.global_step, cycle, start_k = state["global_step"], state["cycle"], state["next_micro_step"]
             self.num_tokens = state["num_tokens"]
@@ -819,11 +831,15 @@ class Engine:
         local_loss = torch.stack(losses).sum()
         step_loss = acc.reduce(local_loss.reshape(1), reduction="mean")  # NaN/inf if any process's is
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-        grad_norm = acc.clip_grad_norm_(self.trainable, max_norm)
+        if self.master is not None:
+            self.master.grads_to_masters()
+        opt_params = self.master.params if self.master is not None else self.trainable
+        grad_norm = acc.clip_grad_norm_(opt_params, max_norm)
         grad_norm_value = float(grad_norm) if grad_norm is not None else 0.0
         lr = self.scheduler.get_last_lr()[0]
         step_number = self.global_step + 1
-        grads = ((name, p.grad) for name, p in self.unwrapped.named_parameters() if p.requires_grad)
+        names = [name for name, p in self.unwrapped.named_parameters() if p.requires_grad]
+        grads = ((name, p.grad) for name, p in zip(names, opt_params))
         nonfinite = self.guard.check_update(
             step_number, float(step_loss), grad_norm_value, grads, rollout.nonfinite, loss_scaling=acc.scaler is not None
         )
@@ -836,10 +852,14 @@ class Engine:
             # float16: step even when holding (no gradients, so nothing moves) so that the
             # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
             self.optimizer.step()
+            if self.master is not None:
+                self.master.masters_to_params()
         with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_grad()
         self.global_step = step_number
         self.generator.on_weights_updated(self.unwrapped)
 
@@ -895,6 +915,7 @@ class Engine:
             config_yaml=self._config_yaml(),
             save_total_limit=self.config.save_total_limit,
             scaler=self.accelerator.scaler,
+            master_weights=self.master,
         )
 
     def _config_yaml(self) -> str:

@@ -26,9 +26,22 @@ import torch
 
 from grpo_plugins.logprobs import chunk_logps
 
-__all__ = ["CompiledLayers", "decoder_layers"]
+__all__ = ["CompiledLayers", "compile_stats", "decoder_layers"]
 
 logger = logging.getLogger(__name__)
+
+
+def compile_stats() -> dict[str, float]:
+    """What ``torch.compile`` has cost this process so far: ``compile/seconds`` (tracing and
+    code generation, backward graphs included) and ``compile/graphs`` (graphs compiled; a count
+    that grows after the first steps means recompilation)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = 0.0
+    for key, times in compilation_time_metrics.items():
+        if key == "_compile.compile_inner" or "bw_compiler" in key:
+            seconds += float(sum(times))
+    return {"compile/seconds": seconds, "compile/graphs": float(counters["stats"]["unique_graphs"])}
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module] | None:

@@ -7,6 +7,7 @@ Layout of ``<output_dir>/checkpoints/checkpoint-<step>/``::
     scheduler.pt         LR-scheduler state
     rng_state_<rank>.pt  python, numpy, torch (and CUDA) RNG states of each process
     rollout_<rank>.pt    a process's generation batch, only when saved in the middle of a cycle
+    master_weights.pt    float32 master copies of 16-bit trainable weights (when the run keeps them)
     config.yaml          the run config
     trainer_state.json   step, data position and counters; written last
 
@@ -141,6 +142,7 @@ def save_checkpoint(
     config_yaml: str,
     save_total_limit: int | None,
     scaler: Any = None,
+    master_weights: Any = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically (every process calls this) and prune old ones.
 
@@ -151,6 +153,8 @@ def save_checkpoint(
         state: JSON-serialisable trainer state (step, data position, counters).
         scaler: the float16 gradient scaler, if any (its scale and growth tracker are saved so
             that a resumed run skips exactly the steps an uninterrupted one would).
+        master_weights: the float32 master copies of 16-bit weights, if any (``precision``);
+            saved so that a resumed run keeps the fractions the 16-bit weights round away.
     """
     import torch
 
@@ -176,6 +180,8 @@ def save_checkpoint(
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        if master_weights is not None:
+            torch.save(master_weights.state_dict(), tmp / "master_weights.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         trash = root / f".old-checkpoint-{step}"
@@ -234,6 +240,7 @@ def load_checkpoint(
     optimizer: Any,
     scheduler: Any,
     scaler: Any = None,
+    master_weights: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """Load weights, optimizer and scheduler state in place.
 
@@ -248,6 +255,12 @@ def load_checkpoint(
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=False))
+    if master_weights is not None:
+        masters = path / "master_weights.pt"
+        if masters.is_file():
+            master_weights.load_state_dict(torch.load(masters, map_location="cpu", weights_only=False))
+        else:  # saved without master weights: start them from the saved 16-bit weights
+            master_weights.params_to_masters()
     rank = accelerator.process_index
     rng_file = path / f"rng_state_{rank}.pt"
     rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None

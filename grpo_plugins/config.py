@@ -173,6 +173,10 @@ class GRPOConfig(_Strict):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    master_weights: bool | None = Field(
+        None,
+        description="The optimizer steps float32 copies of 16-bit (bf16/fp16) trainable weights and writes them back rounded, so small updates are not lost. None: on whenever trainable weights are 16-bit (full fine-tuning in bf16); LoRA adapters are float32 already.",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient-norm clipping; None disables.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: num_train_epochs over the data.")
     num_train_epochs: float = Field(1.0, gt=0, description="Passes over the prompts when max_steps is None.")
@@ -180,7 +184,7 @@ class GRPOConfig(_Strict):
     logprob_chunk_size: int = Field(1024, ge=1, description="Rows x tokens per chunk of the chunked log-softmax.")
     compile_layers: bool | None = Field(
         None,
-        description="torch.compile each decoder layer's forward for the training and log-prob passes (fewer, fused kernels; compiles once, ~1 min, on the first step). None: on when training on CUDA.",
+        description="torch.compile each decoder layer's forward for the training and log-prob passes (fewer, fused kernels; compiles on the first steps). None: on for full fine-tuning on CUDA, off for LoRA (no faster there, and a LoRA run once hit a non-finite gradient with it; see docs/performance.md).",
     )
     train_chunk_rows: int | None = Field(
         None,

@@ -35,13 +35,7 @@ import torch
 
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
-    capture_rng,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_resume,
-    restore_rng,
-    save_checkpoint,
-    write_atomic,
+    capture_rng, latest_checkpoint, load_checkpoint, resolve_resume, restore_rng, save_checkpoint, write_atomic,
 )
 from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
@@ -55,7 +49,10 @@ from grpo_plugins.rewards import reward_runner
 from grpo_plugins.rollout import Policy, RewardFailed, Rollout, RolloutMaker, accumulation_windows, keeps_sampling_logps
 from grpo_plugins.runtime import make_accelerator
 from grpo_plugins.step_log import StepLog
-from grpo_plugins.update import AccumulationWindow, PolicyUpdate, make_optimizer, make_scheduler, trainable_parameters
+from grpo_plugins.precision import MasterWeights
+from grpo_plugins.update import (
+    AccumulationWindow, PolicyUpdate, make_optimizer, make_scheduler, master_weights_for, trainable_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +133,7 @@ class Engine:
         self.tokenizer: Any = None
         self.is_peft = False
         self.trainable: list[torch.nn.Parameter] = []
+        self.master: MasterWeights | None = None  # float32 copies the optimizer steps (16-bit weights)
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.compiled_layers: Any = None
@@ -201,7 +199,8 @@ class Engine:
             keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
         )
         self.update = PolicyUpdate(
-            cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg), self.guard
+            cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),
+            self.guard, self.master,
         )
         # Sampling differs per process (each generates different completions), so seed by rank.
         set_seed(cfg.seed + acc.process_index)
@@ -217,9 +216,11 @@ class Engine:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(acc.device)
         model.train()
         self.trainable = trainable_parameters(model, cfg.dtype)
-        self.model, self.optimizer = acc.prepare(model, make_optimizer(self.trainable, cfg, acc.device))
+        self.master = master_weights_for(self.trainable, cfg.master_weights)
+        stepped = self.master.params if self.master is not None else self.trainable
+        self.model, self.optimizer = acc.prepare(model, make_optimizer(stepped, cfg, acc.device))
         self.unwrapped = acc.unwrap_model(self.model)
-        self.compiled_layers = compiled_layers_for(self.unwrapped, cfg.compile_layers, acc.device)
+        self.compiled_layers = compiled_layers_for(self.unwrapped, cfg.compile_layers, acc.device, is_peft=self.is_peft)
 
     def _load_data(self) -> None:
         from grpo_plugins.data import prepare_dataset
@@ -340,7 +341,8 @@ class Engine:
                 )
             return 0, 0, None, [], None
         state, rng, saved = load_checkpoint(
-            path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, scaler=acc.scaler
+            path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, scaler=acc.scaler,
+            master_weights=self.master,
         )
         self.global_step, self.num_tokens = state["global_step"], state["num_tokens"]
         if "generator" in state and hasattr(self.generator, "load_state_dict"):
@@ -376,6 +378,7 @@ class Engine:
             optimizer=self.optimizer, scheduler=self.scheduler, rng_state=rng if rng is not None else capture_rng(),
             rollout=rollout.to_state() if rollout is not None else None, state=state,
             config_yaml=self.config.to_yaml(), save_total_limit=self.config.save_total_limit, scaler=acc.scaler,
+            master_weights=self.master,
         )
         self.guard.last_checkpoint = path
         return path

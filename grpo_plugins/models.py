@@ -78,9 +78,13 @@ def builtin_gguf_path(name: str) -> Path:
 # -- GGUF conversion ----------------------------------------------------------------------------
 
 
+#: Bumped when the conversion changes, so caches written by an older conversion are rebuilt.
+_CONVERSION_VERSION = 2
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{_CONVERSION_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
@@ -111,6 +115,8 @@ def convert_gguf(gguf_path: str | Path) -> Path:
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     except (OSError, ValueError, NotImplementedError, KeyError) as exc:
         raise ModelLoadError(f"transformers cannot read the GGUF file '{gguf_path}': {exc}") from exc
+    special = gguf_special_tokens(gguf_path)
+    apply_special_tokens(tokenizer, special)
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
@@ -125,6 +131,10 @@ def convert_gguf(gguf_path: str | Path) -> Path:
         )
     plain.tie_weights()
     plain.generation_config = quantized.generation_config
+    for role in ("bos", "eos", "pad"):  # the file's own ids, whatever transformers guessed
+        if role in special:
+            setattr(plain.config, f"{role}_token_id", special[role][0])
+            setattr(plain.generation_config, f"{role}_token_id", special[role][0])
     del quantized
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +157,49 @@ def convert_gguf(gguf_path: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+#: GGUF metadata key -> tokenizer role.
+_GGUF_SPECIAL_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos",
+    "tokenizer.ggml.eos_token_id": "eos",
+    "tokenizer.ggml.padding_token_id": "pad",
+    "tokenizer.ggml.unknown_token_id": "unk",
+}
+
+
+def gguf_special_tokens(gguf_path: str | Path) -> dict[str, tuple[int, str]]:
+    """The special tokens a GGUF file declares: role (bos/eos/pad/unk) -> (id, token text).
+
+    The file's metadata is the authority: how transformers' GGUF tokenizer conversion fills
+    these in has changed between versions (5.17 took ``<|im_start|>`` as SmolLM2's EOS and left
+    it without a pad token).
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    found: dict[str, tuple[int, str]] = {}
+    for key, role in _GGUF_SPECIAL_KEYS.items():
+        field = reader.fields.get(key)
+        if field is None or tokens is None or not field.data:
+            continue
+        index = int(field.parts[field.data[0]][0])
+        if not 0 <= index < len(tokens.data):
+            continue
+        found[role] = (index, bytes(tokens.parts[tokens.data[index]]).decode("utf-8", errors="replace"))
+    return found
+
+
+def apply_special_tokens(tokenizer: PreTrainedTokenizerBase, special: Mapping[str, tuple[int, str]]) -> None:
+    """Set the tokenizer's bos/eos/pad/unk tokens to ``special`` (from :func:`gguf_special_tokens`)
+    where its vocabulary maps them to the same ids."""
+    for role, (index, text) in special.items():
+        if tokenizer.convert_tokens_to_ids(text) != index:
+            logger.warning("GGUF %s token %r (id %d) is not in the converted tokenizer; left as is", role, text, index)
+            continue
+        if getattr(tokenizer, f"{role}_token") != text:
+            setattr(tokenizer, f"{role}_token", text)
 
 
 def _tied_keys(model: Any) -> set[str]:

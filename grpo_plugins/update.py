@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from grpo_plugins.batching import BatchPlan, Step
+from grpo_plugins.compiled_layers import compile_stats
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.objective import LossMetrics
+from grpo_plugins.precision import MasterWeights
 from grpo_plugins.rollout import Policy, Rollout, trim_padding
 
 
@@ -55,6 +57,8 @@ class PolicyUpdate:
         loss_settings: the :func:`~grpo_plugins.objective.compute_loss` settings, components
             built.
         guard: the run's guard (NaN/inf checks of loss and gradients).
+        master: float32 master copies of 16-bit trainable weights, which the optimizer steps
+            instead of them (``precision``), or None.
     """
 
     def __init__(
@@ -68,10 +72,11 @@ class PolicyUpdate:
         scheduler: Any,
         loss_settings: dict[str, Any],
         guard: RunGuard,
+        master: MasterWeights | None = None,
     ) -> None:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
         self.trainable, self.optimizer, self.scheduler = trainable, optimizer, scheduler
-        self.loss_settings, self.guard = loss_settings, guard
+        self.loss_settings, self.guard, self.master = loss_settings, guard, master
 
     def micro_step(self, rollout: Rollout, step: Step, window_items: float, window: AccumulationWindow) -> None:
         """Forward+backward of one micro-step, ``train_chunk_rows`` rows at a time (the gradient,
@@ -140,11 +145,14 @@ class PolicyUpdate:
         local_loss = torch.stack(window.losses).sum()
         step_loss = acc.reduce(local_loss.reshape(1), reduction="mean")  # NaN/inf if any process's is
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-        grad_norm = acc.clip_grad_norm_(self.trainable, max_norm)
+        if self.master is not None:
+            self.master.grads_to_masters()
+        stepped = self.master.params if self.master is not None else self.trainable
+        grad_norm = acc.clip_grad_norm_(stepped, max_norm)
         grad_norm_value = float(grad_norm) if grad_norm is not None else 0.0
         lr = self.scheduler.get_last_lr()[0]
-        unwrapped = self.policy.unwrapped
-        grads = ((name, p.grad) for name, p in unwrapped.named_parameters() if p.requires_grad)
+        names = [name for name, p in self.policy.unwrapped.named_parameters() if p.requires_grad]
+        grads = ((name, p.grad) for name, p in zip(names, stepped))
         nonfinite = self.guard.check_update(
             step_number, float(step_loss), grad_norm_value, grads, rollout.nonfinite, loss_scaling=acc.scaler is not None
         )
@@ -157,16 +165,21 @@ class PolicyUpdate:
             # float16: step even when holding (no gradients, so nothing moves) so that the
             # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
             self.optimizer.step()
+            if self.master is not None:
+                self.master.masters_to_params()
         with warnings.catch_warnings():  # the optimizer may have skipped this step on purpose
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_grad()
 
         merged = LossMetrics.merge(window.metrics).all_reduce(acc)
         counts = torch.stack([torch.as_tensor(window.entropy_sum), torch.as_tensor(window.entropy_count)])
         entropy = acc.reduce(counts.to(acc.device).double(), reduction="sum")
         record: dict[str, float] = dict(rollout.metrics)
         record.update({k: float(v) for k, v in merged.items()})
+        record.update(compile_stats())
         record.update(
             {
                 "loss": float(step_loss) if math.isfinite(float(step_loss)) else 0.0,
@@ -180,8 +193,8 @@ class PolicyUpdate:
 
 
 def trainable_parameters(model: Any, dtype: str) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer updates (float16 runs keep them in fp32: master weights
-    under autocast and a gradient scaler)."""
+    """The parameters that train (float16 runs keep them in fp32, under autocast and a gradient
+    scaler)."""
     from grpo_plugins.errors import TrainingError
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -193,8 +206,19 @@ def trainable_parameters(model: Any, dtype: str) -> list[torch.nn.Parameter]:
     return trainable
 
 
-def make_optimizer(trainable: list[torch.nn.Parameter], config: GRPOConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over ``trainable``; weight decay only on matrices (not biases or norms)."""
+def master_weights_for(trainable: list[torch.nn.Parameter], wanted: bool | None) -> MasterWeights | None:
+    """float32 master copies of 16-bit trainable weights (``master_weights``: None means
+    whenever they are 16-bit), or None."""
+    from grpo_plugins.precision import needs_master_weights
+
+    if wanted is False or not needs_master_weights(trainable):
+        return None
+    return MasterWeights(trainable)
+
+
+def make_optimizer(trainable: list[torch.Tensor], config: GRPOConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``trainable`` (or their master copies); weight decay only on matrices (not
+    biases or norms)."""
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}]

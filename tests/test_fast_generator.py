@@ -274,3 +274,42 @@ def test_static_params_defaults_and_typos() -> None:
     assert params.compile and params.cuda_graph and not params.ignore_eos and params.fallback
     with pytest.raises(ComponentParamsError, match="compiel"):
         component.validate_params({"compiel": False})
+
+
+@pytest.mark.slow
+def test_compiled_decode_is_one_graph_per_function_across_layers_and_buckets(tiny_qwen2: dict) -> None:
+    """Regional compilation of the decode step: a 4-layer LoRA model and two (batch, prompt)
+    buckets compile exactly two graphs (a layer, the head), and sample what eager sampling does."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    from grpo_plugins.testing import tiny_model_config
+
+    model, _ = load_model(
+        {**tiny_qwen2, "config": tiny_model_config("qwen2", num_hidden_layers=4)},
+        dtype="float32",
+        lora={"r": 4, "target_modules": "all-linear"},
+        seed=0,
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    model.eval()
+    sampling = SamplingSettings(max_completion_length=6, temperature=0.7)
+    counter = CompileCounter()
+    compiled = StaticDecoder(model, sampling, [2], 0, compile=True, compile_backend=counter, prompt_multiple=4)
+    eager = StaticDecoder(model, sampling, [2], 0, compile=False, prompt_multiple=4)
+    # Buckets (3 rows, 4 columns), (5 rows, 8 columns), (7 rows, 12 columns); row counts differ
+    # from every head count of the model, which dynamic shapes would otherwise unify with them.
+    short, longer = [PROMPTS[1], PROMPTS[3], PROMPTS[1]], [*PROMPTS, PROMPTS[0]]
+    longest = [*longer, [1, *range(20, 30)], [1, 3]]
+    for prompts in (short, longer, longest, short):
+        torch.manual_seed(3)
+        ours = compiled.generate(prompts)
+        torch.manual_seed(3)
+        reference = eager.generate(prompts)
+        assert torch.equal(ours[0], reference[0])
+        torch.testing.assert_close(ours[3], reference[3], atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 2  # compiling whole steps took one graph per bucket
+    torch._dynamo.reset()

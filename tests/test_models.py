@@ -315,3 +315,45 @@ def test_builtin_smollm2_loads_trains_and_generates() -> None:
     grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+# -- special tokens come from the GGUF metadata, not from transformers' conversion -------------
+
+
+def test_gguf_special_tokens_of_the_embedded_model_match_its_metadata() -> None:
+    special = models.gguf_special_tokens(models.builtin_gguf_path("smollm2-135m-instruct"))
+    assert special["bos"] == (1, "<|im_start|>")
+    assert special["eos"] == (2, "<|im_end|>")
+    assert special["pad"] == (2, "<|im_end|>")
+    assert special["unk"] == (0, "<|endoftext|>")
+
+
+def test_gguf_conversion_takes_eos_and_pad_from_the_file_when_transformers_guesses_wrong(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """transformers 5.17 converted SmolLM2's tokenizer with EOS '<|im_start|>' and no pad token;
+    the file says eos 2 '<|im_end|>', pad 2. The conversion must follow the file."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("GRPO_PLUGINS_CACHE", str(tmp_path / "cache"))
+    gguf_path = _write_tiny_gguf(tmp_path / "tiny.gguf")
+    real = AutoTokenizer.from_pretrained
+
+    def as_in_transformers_5_17(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.eos_token = "<|im_start|>"
+        tokenizer.pad_token = None
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_in_transformers_5_17)
+    target = convert_gguf(gguf_path)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", real)
+
+    _, tokenizer = load_model(str(gguf_path), dtype="float32")
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
+    assert (tokenizer.bos_token, tokenizer.bos_token_id) == ("<|im_start|>", 1)
+    config = json.loads((target / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (2, 2, 1)
+    generation = json.loads((target / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2

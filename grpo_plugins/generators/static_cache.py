@@ -33,7 +33,7 @@ class StaticCacheGenerator(Generator):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        compile: bool = Field(True, description="torch.compile the decode step (CUDA only; ~30 s once per bucket).")
+        compile: bool = Field(True, description="torch.compile the decode step (CUDA only): one graph for a decoder layer and one for the head and sampling, compiled once for every batch and prompt bucket.")
         cuda_graph: bool = Field(True, description="Capture the decode step in a CUDA graph (CUDA only).")
         prompt_multiple: int = Field(64, ge=1, description="Left-pad prompts to a multiple of this many tokens.")
         check_every: int = Field(16, ge=1, description="Decode steps between checks for 'all rows finished'.")

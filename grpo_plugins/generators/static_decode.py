@@ -15,6 +15,7 @@ positions under a validity mask, which is what lets one captured graph serve eve
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -263,32 +264,40 @@ class DecodeState:
         )
 
 
-def decode_step(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool) -> None:
-    """One token for every row, entirely on the device and with fixed shapes (graph-capturable):
-    feed ``st.token`` at cache index ``st.cur``, sample the next token, record it at column
-    ``st.step``, and advance the counters."""
-    B = st.token.shape[0]
-    h = _embed(parts, st.token[:, None])  # (B, 1, H)
-    cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
-    valid = st.key_valid & (st.slots <= st.cur)  # (B, S)
-    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))
-    bias = bias[:, None, None, :]  # (B, 1, 1, S)
-    index = st.cur.view(1)
+def decode_layer(
+    parts: DecoderParts,
+    layer: Any,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    bias: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer for one new token per row: writes its key/value at cache index
+    ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over all S slots under ``bias``
+    (B, 1, 1, S). ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is
+    compiled once for the whole model."""
+    B = h.shape[0]
     G = parts.num_heads // parts.num_kv_heads
-    for i, layer in enumerate(parts.layers):
-        x = layer.input_layernorm(h)
-        q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
-        k_all, v_all = st.k_cache[i], st.v_cache[i]  # (B, Hkv, S, D)
-        k_all.index_copy_(2, index, k)
-        v_all.index_copy_(2, index, v)
-        # Grouped-query attention without repeating the cache: the G query heads that share a
-        # key/value head become G rows of one (G, D) x (D, S) product.
-        q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
-        scores = torch.matmul(q, k_all.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, S)
-        probs = scores.float().softmax(dim=-1).to(v_all.dtype)
-        o = torch.matmul(probs, v_all)  # (B, Hkv, G, D)
-        h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    x = layer.input_layernorm(h)
+    q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
+    k_all.index_copy_(2, index, k)
+    v_all.index_copy_(2, index, v)
+    # Grouped-query attention without repeating the cache: the G query heads that share a
+    # key/value head become G rows of one (G, D) x (D, S) product.
+    q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
+    scores = torch.matmul(q, k_all.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, S)
+    probs = scores.float().softmax(dim=-1).to(v_all.dtype)
+    o = torch.matmul(probs, v_all)  # (B, Hkv, G, D)
+    h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def decode_head(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor) -> None:
+    """The final norm, LM head and sampling of one decode step; records the token at column
+    ``st.step`` and advances the counters."""
     logits = parts.lm_head(parts.norm(h))[:, 0].float()  # (B, V)
     token, logp = sample_tokens(logits, st.seen, s)
     token = torch.where(st.done, pad_id, token)
@@ -303,6 +312,30 @@ def decode_step(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_i
     st.position.add_(1)
     st.cur.add_(1)
     st.step.add_(1)
+
+
+def decode_step(
+    parts: DecoderParts,
+    st: DecodeState,
+    s: SamplingSettings,
+    pad_id: int,
+    stop_at_eos: bool,
+    layer_fn: Callable[..., torch.Tensor] = decode_layer,
+    head_fn: Callable[..., None] = decode_head,
+) -> None:
+    """One token for every row, entirely on the device and with fixed shapes (graph-capturable):
+    feed ``st.token`` at cache index ``st.cur``, sample the next token, record it at column
+    ``st.step``, and advance the counters. ``layer_fn`` / ``head_fn``: :func:`decode_layer` and
+    :func:`decode_head` or compiled versions of them."""
+    h = _embed(parts, st.token[:, None])  # (B, 1, H)
+    cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
+    valid = st.key_valid & (st.slots <= st.cur)  # (B, S)
+    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))
+    bias = bias[:, None, None, :]  # (B, 1, 1, S)
+    index = st.cur.view(1)
+    for i, layer in enumerate(parts.layers):
+        h = layer_fn(parts, layer, h, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)
+    head_fn(parts, st, s, pad_id, stop_at_eos, h)
 
 
 # -- the runner ----------------------------------------------------------------------------------
@@ -339,6 +372,7 @@ class StaticDecoder:
         stop_at_eos: False keeps sampling past EOS (benchmarks that want full-length completions).
         max_graphs: graphs (with their KV caches) kept at once, least recently used dropped first.
         release_cache: drop every graph and KV cache at the end of each ``generate``.
+        compile_backend: the ``torch.compile`` backend (``aot_eager`` in CPU tests).
     """
 
     def __init__(
@@ -355,6 +389,7 @@ class StaticDecoder:
         stop_at_eos: bool = True,
         max_graphs: int = 2,
         release_cache: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         self.model = model
         self.parts = check_supported(model)
@@ -368,6 +403,7 @@ class StaticDecoder:
         self.stop_at_eos = stop_at_eos and bool(self.eos_ids)
         self.max_graphs = max_graphs
         self.release_cache = release_cache
+        self.compile_backend = compile_backend
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
@@ -381,7 +417,14 @@ class StaticDecoder:
         if self._compiled_step is None:
             fn: Callable[..., None] = decode_step
             if self.compile:
-                fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+                # Regional compilation: one graph for a layer (shared by every layer) and one for
+                # the head and sampling, with batch rows and cache length symbolic. Compiling the
+                # whole unrolled step instead took minutes on a 30-layer LoRA model and
+                # recompiled for every new (batch, prompt) bucket; now a bucket costs only a
+                # CUDA-graph capture.
+                layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True, backend=self.compile_backend)
+                head_fn = torch.compile(decode_head, fullgraph=True, dynamic=True, backend=self.compile_backend)
+                fn = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
             self._compiled_step = fn
         return self._compiled_step
 

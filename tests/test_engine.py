@@ -125,6 +125,14 @@ def test_an_earlier_accelerator_with_other_settings_does_not_block_a_run(tiny_mo
     assert result.metrics and math.isfinite(result.metrics["loss"])
 
 
+def test_every_engine_attribute_is_declared_in_init(tiny_model: dict, tmp_path: Path) -> None:
+    model, tok = _model(tiny_model)
+    engine = Engine(_config(tiny_model, tmp_path), model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS)
+    declared = set(vars(engine))
+    engine.train()
+    assert set(vars(engine)) == declared
+
+
 def test_kl_rollout_correction_and_iterations(tiny_model: dict, tmp_path: Path) -> None:
     model, tok = _model(tiny_model)
     before = _snapshot(model)

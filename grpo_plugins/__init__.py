@@ -2,7 +2,8 @@
 
 Public API: :func:`compute_loss`, :func:`compute_advantages`, :class:`GRPOConfig`,
 :class:`Engine`, the registry (:func:`get_registry`, :func:`register` and one decorator per
-component kind), and the ``grpo-plugins`` command line.
+component kind, from the table of kinds), :func:`completion_text` (the text of a completion as a
+reward receives it), and the ``grpo-plugins`` command line.
 
 Heavy modules (torch, transformers) are imported on first use, so that ``grpo-plugins list`` and
 ``grpo-plugins validate`` start quickly.

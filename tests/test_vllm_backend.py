@@ -5,12 +5,14 @@ output conversion, the engine's starting checkpoint, weight sync, sleep mode, en
 from __future__ import annotations
 
 import os
+import random
 import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +114,8 @@ class FakeLLM:
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
+        seed = kwargs.get("seed", 0)  # vLLM's set_random_seed: np.random.seed needs < 2**32
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         source = Path(kwargs["model"])
         if not (source / "config.json").is_file():
             raise OSError(f"{source} has no config.json")
@@ -381,6 +385,16 @@ def test_engine_is_built_from_the_policy_and_synced_at_setup(fake_vllm, tiny_mod
     assert all(torch.equal(llm.checkpoint[n], state[n]) for n in state)
     assert llm.engine_model.load_calls == 1 and llm.events[-1] == ("reset_prefix_cache",)
     assert llm.engine_model.loaded.keys() == state.keys()
+
+
+def test_starting_the_engine_leaves_the_global_rngs_alone(fake_vllm, tiny_model: dict) -> None:
+    model, tokenizer = load_model(tiny_model)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    VLLMGenerator().setup(model, tokenizer, SamplingSettings(seed=2**40))
+    assert FakeLLM.instances[-1].kwargs["seed"] == 0  # 2**40 mod 2**32
+    assert torch.equal(torch.rand(3), expected[0]) and (random.random(), np.random.rand()) == expected[1:]
 
 
 def test_a_local_checkpoint_is_handed_to_the_engine_as_is(fake_vllm, tiny_model: dict, tmp_path) -> None:

@@ -28,6 +28,7 @@ import random
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -221,6 +222,22 @@ def _sampled_logprob(entry: Any, token: int) -> float:
     return float(value.logprob if hasattr(value, "logprob") else value)
 
 
+@contextmanager
+def _rng_preserved() -> Iterator[None]:
+    """Restore the global random, numpy and torch (CPU and CUDA) RNG states on exit."""
+    import numpy as np
+    import torch
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def _process_rank() -> int:
     import torch
 
@@ -259,7 +276,8 @@ class VLLMGenerator(Generator):
         from grpo_plugins.generators.transformers_backend import unwrap_model
 
         self._policy = unwrap_model(model)
-        self.llm = self._vllm.LLM(**self.engine_arguments(self._policy))
+        with _rng_preserved():  # vLLM seeds random, numpy and torch globally when it starts
+            self.llm = self._vllm.LLM(**self.engine_arguments(self._policy))
         self._sync_method = (
             self.params.weight_sync
             if self.params.weight_sync != "auto"
@@ -284,7 +302,7 @@ class VLLMGenerator(Generator):
             "max_model_len": self.params.max_model_len,
         }
         if self.sampling.seed is not None:
-            kwargs["seed"] = self.sampling.seed
+            kwargs["seed"] = self.sampling.seed % 2**32  # it reaches np.random.seed
         if self.params.logprobs_mode is not None:
             kwargs["logprobs_mode"] = self.params.logprobs_mode
         if self.params.enable_sleep_mode:

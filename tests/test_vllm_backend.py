@@ -577,3 +577,15 @@ def test_without_vllm_setup_says_so(monkeypatch, vllm_env, tiny_model: dict) -> 
 
 def test_it_asks_for_the_rollout_correction() -> None:
     assert VLLMGenerator.samples_from_policy is False
+
+
+def test_the_vllm_extra_admits_only_versions_with_logprobs_mode() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    (requirement,) = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["vllm"]]
+    assert requirement.name == "vllm"
+    assert not requirement.specifier.contains("0.10.1") and requirement.specifier.contains("0.10.2")
+    assert requirement.specifier.contains("0.26.0")

@@ -4,6 +4,7 @@ output conversion, the engine's starting checkpoint, weight sync, sleep mode, en
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -119,6 +120,9 @@ class FakeLLM:
         source = Path(kwargs["model"])
         if not (source / "config.json").is_file():
             raise OSError(f"{source} has no config.json")
+        self.config = json.loads((source / "config.json").read_text())
+        if not self.config.get("architectures"):
+            raise ValueError("No model architectures are specified")
         self.checkpoint: dict[str, torch.Tensor] = {}
         for file in source.glob("*.safetensors"):
             from safetensors.torch import load_file
@@ -413,6 +417,13 @@ def test_lora_over_a_random_init_starts_the_engine_from_merged_weights(fake_vllm
     checkpoint = FakeLLM.instances[-1].checkpoint
     assert Q_PROJ in checkpoint and not any("lora_" in n or "base_layer" in n for n in checkpoint)
     torch.testing.assert_close(checkpoint[Q_PROJ], _merged_q_proj(model))
+
+
+def test_a_model_built_from_a_config_gets_its_architecture_written(fake_vllm, tmp_path) -> None:
+    spec = tiny_model_spec(tmp_path, "qwen2", architectures=None)  # as AutoModel.from_config builds it
+    gen, model, _ = _setup(spec)
+    assert not model.config.architectures
+    assert FakeLLM.instances[-1].config["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_tied_weights_are_written_once(fake_vllm, tmp_path) -> None:

@@ -22,6 +22,7 @@ vllm are imported inside functions.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import random
@@ -181,8 +182,8 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
 
 def write_engine_checkpoint(policy: Any, tokenizer: Any, directory: str) -> None:
     """Write the policy as a checkpoint vLLM can start from: ``model.safetensors`` with the
-    names :func:`policy_weights` yields (tied weights once), the base model's config and
-    generation config, and the tokenizer. The tensors pass through CPU memory, one copy in all."""
+    names :func:`policy_weights` yields (tied weights once), the base model's config (with its
+    ``architectures``) and generation config, and the tokenizer. The tensors pass through CPU memory, one copy in all."""
     from safetensors.torch import save_file
 
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -195,7 +196,10 @@ def write_engine_checkpoint(policy: Any, tokenizer: Any, directory: str) -> None
         seen.add(key)
         tensors[name] = tensor.to("cpu").contiguous()
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    base.config.save_pretrained(directory)
+    config = copy.deepcopy(base.config)
+    # vLLM picks its model class by `architectures`, which a model built with from_config lacks.
+    config.architectures = getattr(config, "architectures", None) or [type(base).__name__]
+    config.save_pretrained(directory)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -112,6 +112,7 @@ class FakeLLM:
 
     instances: list[FakeLLM] = []
     script: list[tuple[list[int], str]] = []
+    default: tuple[list[int], str] | None = None  # the completion once the script is used up
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -152,7 +153,7 @@ class FakeLLM:
                 if seed is not None:
                     seeds[len(call_seeds)] = seed
                 call_seeds.append(seed)
-                tokens, reason = FakeLLM.script.pop(0)
+                tokens, reason = FakeLLM.script.pop(0) if FakeLLM.script or not FakeLLM.default else FakeLLM.default
                 logprobs = [{t: Logprob(-0.1 * (i + 1)), 99: Logprob(-9.0)} for i, t in enumerate(tokens)]
                 outs.append(CompletionOutput(list(tokens), logprobs, reason))
             results.append(RequestOutput(outs))
@@ -210,7 +211,7 @@ def vllm_env(monkeypatch) -> None:
 
 @pytest.fixture()
 def fake_vllm(monkeypatch, vllm_env) -> types.ModuleType:
-    FakeLLM.instances, FakeLLM.script = [], []
+    FakeLLM.instances, FakeLLM.script, FakeLLM.default = [], [], None
     modules = _fake_vllm()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -600,3 +601,29 @@ def test_the_vllm_extra_admits_only_versions_with_logprobs_mode() -> None:
     assert requirement.name == "vllm"
     assert not requirement.specifier.contains("0.10.1") and requirement.specifier.contains("0.10.2")
     assert requirement.specifier.contains("0.26.0")
+
+
+# -- bench/check_vllm.py ----------------------------------------------------------------------------
+
+
+def test_the_gpu_check_runs_its_parts_against_the_fake(fake_vllm, monkeypatch, tmp_path, tiny_model: dict) -> None:
+    import bench._common as common
+    from bench import check_vllm
+
+    monkeypatch.setattr(common, "TINY", True)
+    monkeypatch.setattr(common, "TOKENIZER_DIR", Path(tiny_model["tokenizer"]))
+    FakeLLM.default = ([5, 6, EOS], "stop")
+    args = check_vllm.parse_args(
+        ["--out", str(tmp_path / "check.json"), "--parts", "sync", "lora", "--steps", "2", "--completions", "8",
+         "--tokens", "4", "--lora-steps", "1"]
+    )
+    records = {name: check_vllm.run(name, **kwargs) for name, kwargs in check_vllm.planned_runs(args)}
+    sync, lora = records["sync"], records["lora"]
+    assert [m["step"] for m in sync["mismatch"]] == [1, 2]
+    assert all(m["tokens"] == 8 * 3 and m["abs_mean"] > 0 for m in sync["mismatch"])  # 8 completions of 3 tokens
+    assert all(r["min"] <= r["mean"] <= r["max"] for r in sync["is_ratio"])
+    assert sync["generator_stats"]["syncs"] == 3  # at setup and after each of the 2 steps
+    assert lora["generator_stats"]["syncs"] == 2 and lora["settings"]["lora"]["r"] == 16
+    assert len(FakeLLM.instances) == 2 and not any(Path(llm.kwargs["model"]).exists() for llm in FakeLLM.instances)
+    check_vllm.RESULTS["runs"] = records
+    assert "sync" in check_vllm.table() and "lora" in check_vllm.table()

@@ -338,8 +338,8 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
                 ("lora", {**small, "steps": args.lora_steps, "lr": args.lora_lr, "generator": vllm_generator(args), "overrides": lora})
             )
         elif part == "compare":
-            runs.append(("compare/vllm", {**big, "generator": vllm_generator(args)}))
             runs.append(("compare/static", {**big, "generator": {"name": "static", "params": {}}}))
+            runs.append(("compare/vllm", {**big, "generator": vllm_generator(args)}))
         elif part == "sleep":
             runs.append(("sleep/vllm+sleep", {**big, "generator": vllm_generator(args, enable_sleep_mode=True)}))
     return runs
@@ -377,6 +377,14 @@ def table() -> str:
             f"{_fmt(r['generate_s'], '.2f'):>6} {_fmt(r['train_s'], '.2f'):>7} {_fmt(sync, '.3f'):>6} "
             f"{_fmt(first, '.4f'):>7}/{_fmt(last, '.4f')}/{_fmt(worst, '.4f'):>7} {ratio:>18} "
             f"{_fmt(dev.get('generate'), '.1f'):>8}/{_fmt(dev.get('train'), '.1f'):<8}"
+        )
+    off, on = RESULTS["runs"].get("compare/vllm", {}), RESULTS["runs"].get("sleep/vllm+sleep", {})
+    if off and on and "error" not in off and "error" not in on:
+        lines.append(
+            f"sleep mode: device GiB outside generation {_fmt(off['device_peak_gib'].get('train'), '.1f')} -> "
+            f"{_fmt(on['device_peak_gib'].get('train'), '.1f')}, step s {_fmt(off['step_s'], '.2f')} -> "
+            f"{_fmt(on['step_s'], '.2f')} (sleep {on['generator_stats'].get('sleep_seconds', 0):.1f} s + "
+            f"wake {on['generator_stats'].get('wake_seconds', 0):.1f} s in all)"
         )
     lines.append("")
     lines.append("|dlogp|: mean |sampler - trainer| log-prob per token (first step / last step / worst step);")

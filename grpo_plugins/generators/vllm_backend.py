@@ -233,7 +233,8 @@ def _rng_preserved() -> Iterator[None]:
     import torch
 
     python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # This process's own GPU only: touching the others would create a CUDA context on each.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield

@@ -22,6 +22,9 @@ checkpointing) with the batch, length and learning rate of each part. Parts (``-
   outside it).
 * ``sleep``: the ``compare`` workload through ``vllm`` with ``enable_sleep_mode: true``; compare
   with the ``compare`` part's ``vllm`` row (sleep off): device memory outside generation, time.
+* ``loadweights`` (not in the default list): the ``sync`` workload for up to 10 steps with
+  ``weight_sync: load_weights`` (``apply_model``), to compare the seconds per sync with the
+  ``reload_weights`` path of ``sync``.
 
 Each run's record goes into the JSON (``--out``) as soon as it finishes; a failing run is recorded
 with its traceback and the next one starts. The last thing printed is a short table.
@@ -44,7 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PARTS = ("sync", "nosync", "lora", "compare", "sleep")
+PARTS = ("sync", "nosync", "lora", "compare", "sleep", "loadweights")
+DEFAULT_PARTS = PARTS[:5]
 RESULTS: dict[str, Any] = {"runs": {}, "errors": []}
 
 
@@ -55,7 +59,7 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run, in this order")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS), help="parts to run, in this order")
     parser.add_argument("--steps", type=int, default=50, help="steps of the sync and nosync parts")
     parser.add_argument("--completions", type=int, default=16, help="completions per step (sync, nosync, lora)")
     parser.add_argument("--tokens", type=int, default=128, help="max completion length (sync, nosync, lora)")
@@ -146,6 +150,24 @@ def patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]
         setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def patched_everywhere(function: Any, make: Callable[[Any], Any]) -> Iterator[None]:
+    """Replace ``function`` by ``make(function)`` in every loaded grpo_plugins module that holds
+    it (its own module, and any that imported it at the top)."""
+    replacement = make(function)
+    holders = [
+        module for name, module in list(sys.modules.items())
+        if (name == "grpo_plugins" or name.startswith("grpo_plugins.")) and getattr(module, function.__name__, None) is function
+    ]
+    for module in holders:
+        setattr(module, function.__name__, replacement)
+    try:
+        yield
+    finally:
+        for module in holders:
+            setattr(module, function.__name__, function)
+
+
 class Mismatch:
     """Per optimizer step: |sampler log-prob - trainer log-prob| over completion tokens and the
     untruncated ratio exp(trainer - sampler), read from the inputs of ``compute_loss``."""
@@ -221,7 +243,7 @@ def run(
 
     from bench._common import build_model, gib, length_reward, load_tokenizer, median, peak, reset_peak
     from bench.bench_grpo import _reset_accelerate, dataset
-    from grpo_plugins import objective
+    import grpo_plugins.objective as objective
     from grpo_plugins.engine import Engine
     from grpo_plugins.registry import get_registry
 
@@ -261,7 +283,7 @@ def run(
 
         stack.enter_context(patched(generator_class, "generate", phase_generate))
         stack.enter_context(patched(generator_class, "setup", timed_setup))
-        stack.enter_context(patched(objective, "compute_loss", mismatch.wrap))
+        stack.enter_context(patched_everywhere(objective.compute_loss, mismatch.wrap))
         try:
             result = engine.train()
         finally:
@@ -340,6 +362,9 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         elif part == "compare":
             runs.append(("compare/static", {**big, "generator": {"name": "static", "params": {}}}))
             runs.append(("compare/vllm", {**big, "generator": vllm_generator(args)}))
+        elif part == "loadweights":  # the sync part's workload through apply_model(load_weights), for the sync cost
+            generator = vllm_generator(args, weight_sync="load_weights")
+            runs.append(("loadweights", {**small, "steps": min(args.steps, 10), "lr": args.lr, "generator": generator}))
         elif part == "sleep":
             runs.append(("sleep/vllm+sleep", {**big, "generator": vllm_generator(args, enable_sleep_mode=True)}))
     return runs

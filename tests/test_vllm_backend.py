@@ -143,7 +143,7 @@ class FakeLLM:
             raise RuntimeError("generate on a sleeping engine")
         self.events.append(("generate",))
         self.requests.append((prompts, sampling_params))
-        seeds = torch.zeros(sum(p.n for p in sampling_params), dtype=torch.int64)  # OverflowError past int64
+        seeds = np.zeros(sum(p.n for p in sampling_params), dtype=np.int64)  # OverflowError past int64
         call_seeds: list[int | None] = []
         results = []
         for params in sampling_params:

@@ -176,25 +176,37 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
                 for adapter in layer.active_adapters:
                     if adapter in getattr(layer, "lora_A", {}):
                         tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-        name = name.replace(".base_layer", "").replace(".modules_to_save.default", "")
-        yield name, tensor.detach()
+        yield _base_name(name), tensor.detach()
+
+
+def _base_name(name: str) -> str:
+    """The base model's name of a peft-wrapped state-dict entry."""
+    return name.replace(".base_layer", "").replace(".modules_to_save.default", "")
+
+
+def _tied_names(model: Any) -> set[str]:
+    """State-dict names whose tensor is one seen earlier under another name (tied weights such
+    as lm_head = embed_tokens). Read from the model's own tensors, whose addresses are stable."""
+    first: set[tuple[int, int, tuple[int, ...]]] = set()
+    tied: set[str] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in first:
+            tied.add(_base_name(name))
+        first.add(key)
+    return tied
 
 
 def write_engine_checkpoint(policy: Any, tokenizer: Any, directory: str) -> None:
     """Write the policy as a checkpoint vLLM can start from: ``model.safetensors`` with the
     names :func:`policy_weights` yields (tied weights once), the base model's config (with its
-    ``architectures``) and generation config, and the tokenizer. The tensors pass through CPU memory, one copy in all."""
+    ``architectures``) and generation config, and the tokenizer. The tensors are gathered in
+    CPU memory (one copy of the model) before the file is written."""
     from safetensors.torch import save_file
 
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    tensors: dict[str, Tensor] = {}
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, tensor in policy_weights(policy):
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:  # a tied weight (lm_head = embed_tokens); safetensors refuses shared storage
-            continue
-        seen.add(key)
-        tensors[name] = tensor.to("cpu").contiguous()
+    tied = _tied_names(base)  # safetensors refuses tensors that share storage
+    tensors = {name: tensor.to("cpu").contiguous() for name, tensor in policy_weights(policy) if name not in tied}
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     config = copy.deepcopy(base.config)
     # vLLM picks its model class by `architectures`, which a model built with from_config lacks.

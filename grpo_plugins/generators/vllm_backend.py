@@ -1,7 +1,8 @@
 """The ``vllm`` generation backend: a colocated vLLM engine, written against vLLM's offline API
 (``LLM``, ``SamplingParams``, ``LLM.generate`` with token-id prompts, ``LLM.collective_rpc``,
-``LLM.sleep`` / ``LLM.wake_up``). Run on an H200 with vLLM 0.26.0 (docs/vllm.md says what was
-verified there); the tests exercise its own logic against a fake of the API.
+``LLM.sleep`` / ``LLM.wake_up``) and checked against vLLM 0.26.0's source. An earlier version
+ran on an H200 with vLLM 0.26.0 (docs/vllm.md says what was verified there); the tests exercise
+its own logic against a fake of the API.
 
 Engine weights: the engine starts from the policy's own checkpoint folder when it has one, else
 from a clean safetensors checkpoint of the policy written to a temporary folder (the names

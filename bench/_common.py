@@ -27,6 +27,25 @@ MODEL_SHAPE: dict[str, Any] = {
     "use_sliding_window": False,
 }
 
+#: Qwen2.5 shapes (their real vocabularies) for the scale benchmarks (issue 12).
+SHAPES: dict[str, dict[str, Any]] = {
+    "smol-vocab-0.4b": MODEL_SHAPE,
+    "qwen2.5-0.5b": {
+        **MODEL_SHAPE, "vocab_size": 151936, "max_position_embeddings": 32768,
+    },
+    "qwen2.5-1.5b": {
+        **MODEL_SHAPE, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936, "max_position_embeddings": 32768,
+    },
+    "qwen2.5-7b": {
+        **MODEL_SHAPE, "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+        "tie_word_embeddings": False, "max_position_embeddings": 32768,
+    },
+}
+#: The shape build_model() uses (bench scripts set it from --shape).
+ACTIVE_SHAPE = "smol-vocab-0.4b"
+
 #: The SmolLM2 tokenizer saved from the embedded GGUF (see bench/README in docs/performance.md).
 TOKENIZER_DIR = Path(os.environ.get("BENCH_TOKENIZER", ".benchdata/tokenizer"))
 
@@ -47,9 +66,12 @@ TINY = os.environ.get("BENCH_TINY") == "1"
 
 
 def model_shape() -> dict[str, Any]:
-    shape = dict(MODEL_SHAPE)
+    shape = dict(SHAPES[ACTIVE_SHAPE])
     if TINY:
-        shape.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+        shape.update(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=49152,
+        )
     return shape
 
 

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import bench._common as _common  # noqa: E402
 from bench._common import (  # noqa: E402
     DEVICE,
     build_model,
@@ -45,6 +46,8 @@ from bench._common import (  # noqa: E402
 )
 
 RESULTS: dict[str, Any] = {"runs": {}, "errors": []}
+#: LoRA rank for every framework (0: full fine-tuning); set from --lora.
+LORA_R = 0
 
 
 def log(msg: str) -> None:
@@ -82,6 +85,7 @@ def ours_config(
         "output_dir": tempfile.mkdtemp(prefix="bench_ours_"),
         "seed": 0,
         "train_chunk_rows": train_chunk_rows,
+        "lora": {"r": LORA_R, "lora_alpha": 2 * LORA_R, "target_modules": "all-linear"} if LORA_R else None,
     }
 
 
@@ -127,12 +131,20 @@ def run_ours(
         "peak_gib": gib(peak()),
         "start_allocated_gib": gib(base),
         "losses": [h.get("loss") for h in history],
+        # torch.compile's cost: cumulative seconds and graphs after each step (a count that still
+        # grows after step 2 is a recompilation).
+        "compile_seconds": [h.get("compile/seconds") for h in history],
+        "compile_graphs": [h.get("compile/graphs") for h in history],
+        "nonfinite_skipped": sum(h.get("nonfinite_skipped", 0.0) for h in history),
     }
     del engine, model, result
     return out
 
 
-def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
+def run_trl(T: int, steps: int, warmup: int, vllm: bool = False) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same workload; ``vllm``: generation by vLLM colocated in the
+    training process (``use_vllm=True, vllm_mode="colocate"``), the setting TRL users take for
+    speed. vLLM loads the model from a folder, so the random model is saved first."""
     import trl.extras.profiling as profiling
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -155,7 +167,31 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
             marks.append(len(timings))
 
     tokenizer = load_tokenizer()
-    model = build_model(seed=0)
+    model: Any = build_model(seed=0)
+    extra: dict[str, Any] = {}
+    if vllm:
+        import os
+
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}.items():
+            os.environ.setdefault(key, value)
+        folder = tempfile.mkdtemp(prefix="bench_trl_model_")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del model
+        reset_peak()
+        model = folder
+        extra = {
+            "use_vllm": True,
+            "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": 0.3,
+            "vllm_max_model_length": 1024 + T,
+            "model_init_kwargs": {"dtype": "bfloat16"},
+        }
+    peft_config = None
+    if LORA_R:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, target_modules="all-linear", task_type="CAUSAL_LM")
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
         per_device_train_batch_size=64,
@@ -174,6 +210,7 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
         report_to="none",
         seed=0,
         use_cpu=DEVICE != "cuda",
+        **extra,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -182,6 +219,7 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
         train_dataset=dataset(),
         processing_class=tokenizer,
         callbacks=[StepTimer()],
+        peft_config=peft_config,
     )
     base = reset_peak()
     sync()
@@ -206,7 +244,8 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
     out = {
         "step_s": step,
         "step_times": step_times,
-        "generate_s": pick("GRPOTrainer.transformers.generate"),
+        "generate_s": pick("GRPOTrainer.vllm.generate" if vllm else "GRPOTrainer.transformers.generate")
+        or pick("GRPOTrainer._generate"),
         "score_s": pick("GRPOTrainer._calculate_rewards"),
         "train_s": step - prepare,
         "prepare_inputs_s": prepare,
@@ -215,6 +254,19 @@ def run_trl(T: int, steps: int, warmup: int) -> dict[str, Any]:
         "start_allocated_gib": gib(base),
         "profiling_names": sorted({n for n, _ in timings}),
     }
+    if vllm:  # free the colocated engine's memory before the next run in this process
+        import gc
+
+        engine = getattr(trainer, "llm", None)
+        if engine is not None:
+            try:
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                del trainer.llm, engine
+                cleanup_dist_env_and_memory()
+            except Exception as exc:  # noqa: BLE001 - best effort; the numbers are taken already
+                log(f"vLLM cleanup: {exc!r}")
+        gc.collect()
     del trainer, model
     return out
 
@@ -231,7 +283,8 @@ def _reset_accelerate() -> None:
 def table(tokens: list[int]) -> str:
     lines = [
         "",
-        f"GRPO step, 64 completions (8 prompts x 8), bf16, batch 64, GA 1 -- device: {RESULTS.get('device')}",
+        f"GRPO step, 64 completions (8 prompts x 8), bf16, batch 64, GA 1, shape {RESULTS.get('shape')}, "
+        f"{'LoRA r=' + str(LORA_R) if LORA_R else 'full fine-tuning'} -- device: {RESULTS.get('device')}",
         "",
         f"{'T':>5} {'framework':<22} {'step s':>7} {'generate':>9} {'score':>7} {'train':>7} {'tok/s':>8} {'peak GiB':>9} {'len':>6}",
     ]
@@ -246,16 +299,26 @@ def table(tokens: list[int]) -> str:
                 f"{T:>5} {name:<22} {r['step_s']:>7.2f} {r['generate_s']:>9.2f} {r['score_s']:>7.3f} "
                 f"{r['train_s']:>7.2f} {tps:>8.0f} {r['peak_gib']:>9.2f} {r['mean_length']:>6.0f}"
             )
-        t = runs.get("trl", {})
+        for peer in ("trl-vllm", "trl"):
+            t = runs.get(peer, {})
+            for name, o in runs.items():
+                if not name.startswith("ours") or "error" in o or not t or "error" in t:
+                    continue
+                label = f"{peer} / {name}"
+                lines.append(
+                    f"{T:>5} {label:<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
+                    f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {o['peak_gib'] / t['peak_gib']:>8.2f}* "
+                )
         for name, o in runs.items():
-            if not name.startswith("ours") or "error" in o or not t or "error" in t:
-                continue
-            label = f"TRL / {name}"
-            lines.append(
-                f"{T:>5} {label:<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
-                f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {o['peak_gib'] / t['peak_gib']:>8.2f}* "
-            )
-    lines.append("\n* peak memory ratio is ours / TRL (lower is better); time ratios are TRL / ours.")
+            if name.startswith("ours") and "error" not in o and o.get("compile_graphs"):
+                graphs, seconds = o["compile_graphs"], o["compile_seconds"]
+                late = graphs[-1] - graphs[min(1, len(graphs) - 1)]
+                lines.append(
+                    f"{T:>5} {name:<22} compile {seconds[-1]:.1f} s in all, {graphs[-1]:.0f} graphs, "
+                    f"{late:.0f} compiled after step 2; non-finite steps {o.get('nonfinite_skipped', 0):.0f}"
+                )
+    lines.append("\n* peak memory ratio is ours / peer (lower is better); time ratios are peer / ours.")
+    lines.append("  trl-vllm: TRL with vLLM colocated (its memory includes vLLM's 30 % reservation).")
     if RESULTS["errors"]:
         lines.append(f"{len(RESULTS['errors'])} error(s): see grpo_bench.json")
     return "\n".join(lines)
@@ -278,8 +341,15 @@ def main() -> None:
         help='JSON {"name": {config overrides}, ...}: run the Engine once per entry (named "ours<name>") '
         'instead of once; e.g. \'{"": {}, " c16": {"train_chunk_rows": 16}}\'',
     )
+    parser.add_argument("--shape", default="smol-vocab-0.4b", help="model shape: " + ", ".join(_common.SHAPES))
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     args = parser.parse_args()
     import json
+
+    global LORA_R
+    LORA_R = args.lora
+    _common.ACTIVE_SHAPE = args.shape
+    RESULTS["shape"] = args.shape
 
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS["torch"] = torch.__version__
@@ -300,7 +370,7 @@ def main() -> None:
                 if name.startswith("ours"):
                     r = run_ours(T, args.steps, args.warmup, generator, args.train_chunk_rows, overrides)
                 else:
-                    r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup)
+                    r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup, vllm=name == "trl-vllm")
             except Exception as exc:
                 r = {"error": repr(exc)}
                 RESULTS["errors"].append({"run": f"{name} {T}", "error": repr(exc), "trace": traceback.format_exc()})

@@ -137,7 +137,7 @@ def compute_advantages(
         give NaN for a scorable row; a NaN or inf from a plugin scaling (or an inf reward) is
         returned as it is, not hidden, so that the engine's guard can name the component.
     """
-    from grpo_plugins.objective import resolve_component
+    from grpo_plugins.registry import resolve_component
 
     rewards_per_func = _as_2d(rewards_per_func)
     n = rewards_per_func.shape[0]

@@ -275,6 +275,7 @@ class Engine:
         self.unwrapped = acc.unwrap_model(self.model)
         self.compiled_layers = self._compile_layers()
         self._chunk_fn = self.compiled_layers.chunk_logps if self.compiled_layers is not None else None
+        self._multiple = 8 if self.compiled_layers is not None else 1  # sequence length multiple (_trim)
 
     def _master_weights(self) -> Any:
         """float32 master copies of 16-bit trainable weights (see ``precision``), or None."""
@@ -444,6 +445,9 @@ class Engine:
         rewards = getattr(self, "rewards", None)
         if rewards is not None:
             rewards.close()
+        close_generator = getattr(getattr(self, "generator", None), "close", None)
+        if close_generator is not None:  # e.g. vLLM's engine holds a third of the GPU
+            close_generator()
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close()
@@ -733,7 +737,7 @@ class Engine:
         with torch.no_grad(), self.accelerator.autocast(), self._layers():
             for step in steps[: self.plan.steps_per_generation]:
                 # Trimmed per micro-batch, as in the training step, so each row sees the same input.
-                ids, att, t = _trim(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T)
+                ids, att, t = _trim(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self._multiple)
                 rows = out[step.rows]  # (B, T) view
                 for c in row_chunks(ids.shape[0], self.config.train_chunk_rows):
                     logps, _ = completion_logps(
@@ -771,7 +775,7 @@ class Engine:
         acc, cfg = self.accelerator, self.config
         r = step.rows
         T = rollout.loss_mask.shape[1]
-        ids, att, t = _trim(rollout.input_ids[r], rollout.attention_mask[r], T)  # (B, P'+t)
+        ids, att, t = _trim(rollout.input_ids[r], rollout.attention_mask[r], T, self._multiple)  # (B, P'+t)
         mask = rollout.loss_mask[r, :t]  # (B, t)
         advantages = rollout.advantages[r]  # (B,)
         chunks = row_chunks(mask.shape[0], cfg.train_chunk_rows)
@@ -970,9 +974,13 @@ def _windows(steps: list[Step]) -> list[int]:
     return out
 
 
-def _trim(input_ids: Tensor, attention_mask: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+def _trim(input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int = 1) -> tuple[Tensor, Tensor, int]:
     """Drop prompt columns that are padding in every row and completion columns past the longest
-    completion; returns (ids, mask, kept completion length t >= 1)."""
+    completion; returns (ids, mask, kept completion length t >= 1).
+
+    ``multiple``: keep (or add) left padding so the length is a multiple of it. Compiled layers
+    use 8: SDPA's fused kernels need the mask's rows 16-byte aligned, and torch.compile guards on
+    that divisibility, so lengths that break it would compile a second graph."""
     P = input_ids.shape[1] - T
     comp = attention_mask[:, P:]  # (B, T)
     t = max(1, int(comp.sum(1).max()) if comp.numel() else 1)
@@ -980,7 +988,14 @@ def _trim(input_ids: Tensor, attention_mask: Tensor, T: int) -> tuple[Tensor, Te
     first = int(prompt_any.float().argmax()) if bool(prompt_any.any()) else P
     first = min(first, max(P - 1, 0))
     end = P + t
-    return input_ids[:, first:end], attention_mask[:, first:end], t
+    extra = -(end - first) % multiple
+    reuse = min(extra, first)  # padding columns that are already there
+    ids, mask = input_ids[:, first - reuse : end], attention_mask[:, first - reuse : end]
+    if extra > reuse:
+        pad = extra - reuse
+        ids = torch.cat([ids.new_zeros(ids.shape[0], pad), ids], dim=1)
+        mask = torch.cat([mask.new_zeros(mask.shape[0], pad), mask], dim=1)
+    return ids, mask, t
 
 
 def _peak_memory_gb(device: torch.device) -> float:

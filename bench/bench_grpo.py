@@ -307,7 +307,7 @@ def table(tokens: list[int]) -> str:
                 label = f"{peer} / {name}"
                 lines.append(
                     f"{T:>5} {label:<22} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
-                    f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {o['peak_gib'] / t['peak_gib']:>8.2f}* "
+                    f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {(o['peak_gib'] / t['peak_gib'] if t['peak_gib'] else float('nan')):>8.2f}* "
                 )
         for name, o in runs.items():
             if name.startswith("ours") and "error" not in o and o.get("compile_graphs"):

@@ -74,14 +74,14 @@ def run(T: int, steps: int, warmup: int, generator: dict[str, Any], chunk_rows: 
     record: list[dict[str, Any]] = []
     config = ours_config(T, steps, warmup, generator, chunk_rows)
     engine = Engine(config, model=build_model(seed=0), tokenizer=load_tokenizer(), rewards=[length_reward], dataset=dataset())
-    build = engine._build_components
+    setup = engine._setup
 
-    def build_and_instrument() -> None:  # the generator exists once the engine is set up
-        build()
+    def setup_and_instrument() -> None:  # the generator and the update exist once it is set up
+        setup()
         engine.generator.generate = _instrument(record, "generate", engine.generator.generate)
+        engine.update.micro_step = _instrument(record, "micro_step", engine.update.micro_step, warmup if profile else None)
 
-    engine._build_components = build_and_instrument  # type: ignore[method-assign]
-    engine._micro_step = _instrument(record, "micro_step", engine._micro_step, warmup if profile else None)
+    engine._setup = setup_and_instrument  # type: ignore[method-assign]
     engine._optimizer_step = _instrument(record, "optimizer_step", engine._optimizer_step)
     reset_peak()
     engine.train()

@@ -190,7 +190,7 @@ class Engine:
         compiled = self.compiled_layers
         policy = Policy(
             self.model, self.unwrapped, self.ref_model, self.is_peft, functools.partial(layers_active, compiled),
-            compiled.chunk_logps if compiled is not None else None,
+            compiled.chunk_logps if compiled is not None else None, multiple=8 if compiled is not None else 1,
         )
         reg = self.registry
         self.rollouts = RolloutMaker(
@@ -239,6 +239,9 @@ class Engine:
     def _teardown(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
+        close_generator = getattr(self.generator, "close", None)
+        if close_generator is not None:  # e.g. vLLM's engine holds a third of the GPU
+            close_generator()
         if self.writer is not None:
             self.writer.close()
 

@@ -97,9 +97,13 @@ def accumulation_windows(steps: Sequence[Step]) -> list[int]:
     return out
 
 
-def trim_padding(input_ids: Tensor, attention_mask: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+def trim_padding(input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int = 1) -> tuple[Tensor, Tensor, int]:
     """Drop prompt columns that are padding in every row and completion columns past the longest
-    completion; returns (ids, mask, kept completion length t >= 1)."""
+    completion; returns (ids, mask, kept completion length t >= 1).
+
+    ``multiple``: keep (or add) left padding so the length is a multiple of it. Compiled layers
+    use 8: SDPA's fused kernels need the mask's rows 16-byte aligned, and torch.compile guards on
+    that divisibility, so lengths that break it would compile a second graph."""
     P = input_ids.shape[1] - T
     comp = attention_mask[:, P:]  # (B, T)
     t = max(1, int(comp.sum(1).max()) if comp.numel() else 1)
@@ -107,7 +111,14 @@ def trim_padding(input_ids: Tensor, attention_mask: Tensor, T: int) -> tuple[Ten
     first = int(prompt_any.float().argmax()) if bool(prompt_any.any()) else P
     first = min(first, max(P - 1, 0))
     end = P + t
-    return input_ids[:, first:end], attention_mask[:, first:end], t
+    extra = -(end - first) % multiple
+    reuse = min(extra, first)  # padding columns that are already there
+    ids, mask = input_ids[:, first - reuse : end], attention_mask[:, first - reuse : end]
+    if extra > reuse:
+        pad = extra - reuse
+        ids = torch.cat([ids.new_zeros(ids.shape[0], pad), ids], dim=1)
+        mask = torch.cat([mask.new_zeros(mask.shape[0], pad), mask], dim=1)
+    return ids, mask, t
 
 
 def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
@@ -134,6 +145,8 @@ class Policy:
         is_peft: a peft model: with ``beta != 0`` its reference is the adapter disabled.
         layers: a context manager factory under which forwards run (compiled layers, if any).
         chunk_fn: the compiled log-softmax chunk, or None.
+        multiple: sequences are left-padded to a multiple of this (8 with compiled layers; see
+            :func:`trim_padding`).
     """
 
     model: Any
@@ -142,6 +155,7 @@ class Policy:
     is_peft: bool
     layers: Callable[[], AbstractContextManager[None]]
     chunk_fn: Callable[..., Any] | None
+    multiple: int = 1
 
 
 class RolloutMaker:
@@ -341,7 +355,9 @@ class RolloutMaker:
         with torch.no_grad(), self.accelerator.autocast(), self.policy.layers():
             for step in steps[: self.plan.steps_per_generation]:
                 # Trimmed per micro-batch, as in the training step, so each row sees the same input.
-                ids, att, t = trim_padding(rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T)
+                ids, att, t = trim_padding(
+                    rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self.policy.multiple
+                )
                 rows = out[step.rows]  # (B, T) view
                 for c in row_chunks(ids.shape[0], cfg.train_chunk_rows):
                     logps, _ = completion_logps(

@@ -89,7 +89,7 @@ class PolicyUpdate:
         acc, cfg, policy = self.accelerator, self.config, self.policy
         r = step.rows
         T = rollout.loss_mask.shape[1]
-        ids, att, t = trim_padding(rollout.input_ids[r], rollout.attention_mask[r], T)  # (B, P'+t)
+        ids, att, t = trim_padding(rollout.input_ids[r], rollout.attention_mask[r], T, policy.multiple)  # (B, P'+t)
         mask = rollout.loss_mask[r, :t]  # (B, t)
         advantages = rollout.advantages[r]  # (B,)
         chunks = row_chunks(mask.shape[0], cfg.train_chunk_rows)

@@ -97,3 +97,28 @@ def test_trim_drops_all_padding_columns() -> None:
     assert t == 2
     assert out_ids.tolist() == [[1, 2, 3, 4], [8, 9, 10, 11]]
     assert out_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
+
+
+def test_trim_to_a_multiple_reuses_then_adds_left_padding() -> None:
+    ids = torch.arange(14).view(2, 7)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])
+    out_ids, out_mask, t = trim_padding(ids, mask, 4, multiple=5)  # 4 kept columns + the 1 padding column
+    assert t == 2 and out_ids.tolist() == [[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]
+    assert out_mask.tolist() == [[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    out_ids, out_mask, t = trim_padding(ids, mask, 4, multiple=8)  # needs 3 new padding columns
+    assert out_ids.shape == (2, 8) and out_ids[:, :3].eq(0).all() and out_ids[:, 3:].tolist() == [[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]
+    assert out_mask.sum(1).tolist() == mask[:, :6].sum(1).tolist() and out_mask[:, :4].eq(0).all()
+
+
+def test_compiled_layers_with_padding_to_a_multiple_give_the_eager_logps(tiny_model: dict) -> None:
+    """Extra left padding changes no log-prob: positions count only attended tokens."""
+    from grpo_plugins.logprobs import completion_logps
+    from grpo_plugins.models import load_model
+
+    model, _ = load_model(tiny_model, dtype="float32", seed=0)
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9], [0, 0, 5, 6, 7, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0]])
+    plain = completion_logps(model, *trim_padding(ids, mask, 2)[:2], 2)[0]
+    padded = completion_logps(model, *trim_padding(ids, mask, 2, multiple=8)[:2], 2)[0]
+    torch.testing.assert_close(plain[0], padded[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(plain[1, :1], padded[1, :1], atol=1e-6, rtol=1e-6)

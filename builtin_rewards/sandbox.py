@@ -19,9 +19,11 @@ does not contain a determined attacker (docs/rewards.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -151,7 +153,7 @@ def _layout() -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]]:
     return exe, tuple(binds), tuple(links)
 
 
-def _bwrap_args(bwrap: str, limits: SandboxLimits, seccomp_fd: int | None) -> list[str]:
+def _bwrap_args(bwrap: str, limits: SandboxLimits, seccomp_fd: int | None, info_fd: int) -> list[str]:
     exe, binds, links = _layout()
     args = [
         bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -166,7 +168,7 @@ def _bwrap_args(bwrap: str, limits: SandboxLimits, seccomp_fd: int | None) -> li
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
-    return args + ["--", exe]
+    return args + ["--info-fd", str(info_fd), "--", exe]
 
 
 # -- one sandboxed process ----------------------------------------------------------------------
@@ -228,15 +230,19 @@ class _Sandboxed:
         argv = [";".join(f"{k}={v}" for k, v in config.items())]
         pass_fds = list(channel or ())
         self.tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.info_fd: int | None = None
         if isolation == "bwrap":
             bwrap = _bwrap_path()
             assert bwrap is not None
             program = seccomp_filter()
             seccomp_fd = _memory_file(program) if program is not None else None
+            self.info_fd = _memory_file()  # bwrap writes the sandbox's init pid here
+            self.fds.append(self.info_fd)
+            pass_fds.append(self.info_fd)
             if seccomp_fd is not None:
                 self.fds.append(seccomp_fd)
                 pass_fds.append(seccomp_fd)
-            cmd, cwd, env = _bwrap_args(bwrap, limits, seccomp_fd), None, {}
+            cmd, cwd, env = _bwrap_args(bwrap, limits, seccomp_fd, self.info_fd), None, {}
         else:
             self.tmp = tempfile.TemporaryDirectory(prefix="grpo-sandbox-", ignore_cleanup_errors=True)
             argv.append(self.tmp.name)  # also tells the boot code to add Landlock and the audit hook
@@ -273,10 +279,18 @@ class _Sandboxed:
         return SandboxResult(returncode, _read_back(self.fds[1], limit), _read_back(self.fds[2], limit), timed_out, seconds)
 
     def kill(self) -> None:
-        try:
+        """Kill everything the run started, and reap it."""
+        if self.proc.poll() is None and self.info_fd is not None:
+            # Killing the sandbox's init ends its pid namespace, and bwrap reaps it and exits;
+            # killing bwrap first would leave that init to the host's init as a zombie.
+            match = re.search(r'"child-pid":\s*(\d+)', _read_back(self.info_fd, 4096))
+            if match:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(match.group(1)), signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=1.0)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         self.proc.wait()
 
     def __enter__(self) -> _Sandboxed:

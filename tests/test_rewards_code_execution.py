@@ -12,7 +12,7 @@ import pytest
 
 from builtin_rewards import sandbox
 from builtin_rewards.code_execution import CodeExecution, extract_code
-from builtin_rewards.sandbox import SandboxLimits, SandboxUnavailable, bwrap_problem, run_function_test, run_python
+from builtin_rewards.sandbox import SandboxLimits, SandboxUnavailable, run_function_test, run_python
 
 FAST = SandboxLimits(timeout=1.0, cpu_seconds=1, memory_mb=256)
 
@@ -31,7 +31,7 @@ def reward(**params) -> CodeExecution:
     return CodeExecution(CodeExecution.Params(**{"timeout": 1.0, "cpu_seconds": 1, **params}))
 
 
-def test_stdin_stdout_tests_score_the_fraction_passed():
+def test_stdin_stdout_tests_score_the_fraction_passed(bwrap):
     tests = [[{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 0", "output": "1"}]] * 2
     completions = [
         "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```",
@@ -40,7 +40,7 @@ def test_stdin_stdout_tests_score_the_fraction_passed():
     assert reward()(["q", "q"], completions, tests=tests) == pytest.approx([2 / 3, 0.0])
 
 
-def test_assert_tests_and_json_string_column():
+def test_assert_tests_and_json_string_column(bwrap):
     tests = ['["assert square(3) == 9", "assert square(-2) == 4"]'] * 2
     completions = ["def square(x):\n    return x * x", [{"role": "assistant", "content": "def square(x): return x + x"}]]
     assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]
@@ -52,7 +52,7 @@ def test_extract_code_takes_the_last_fence():
     assert extract_code("print(1)") == "print(1)"
 
 
-def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall():
+def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall(bwrap):
     start = time.monotonic()
     out = reward(timeout=1.0)(["q", "q"], ["while True:\n    pass", "print(1)"], tests=[[{"input": "", "output": "1"}]] * 2)
     elapsed = time.monotonic() - start
@@ -60,22 +60,22 @@ def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall():
     assert elapsed < 3.0  # one 1 s timeout (tests run in parallel), not forever
 
 
-def test_cpu_limit_kills_a_busy_loop_even_with_a_long_wall_clock():
+def test_cpu_limit_kills_a_busy_loop_even_with_a_long_wall_clock(bwrap):
     result = run_python("while True: pass", limits=SandboxLimits(timeout=20, cpu_seconds=1))
     assert not result.timed_out and result.returncode != 0 and result.seconds < 10
 
 
-def test_memory_limit():
+def test_memory_limit(bwrap):
     result = run_python("x = bytearray(400 * 1024 * 1024)\nprint('allocated')", limits=FAST)
     assert result.returncode != 0 and "MemoryError" in result.stderr
 
 
-def test_can_write_inside_its_own_directory():
+def test_can_write_inside_its_own_directory(bwrap):
     result = run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", limits=FAST)
     assert result.ok and result.stdout == "ok\n"
 
 
-def test_clean_environment_and_private_working_directory(monkeypatch):
+def test_clean_environment_and_private_working_directory(monkeypatch, bwrap):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
     result = run_python("import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))\nprint(os.listdir('.'))", limits=FAST)
     assert result.stdout.split() == ["/tmp", "None", "[]"]
@@ -96,9 +96,9 @@ ESCAPES = {
 
 
 @pytest.mark.parametrize("isolation", ["bwrap", "unsafe_local"])
-def test_cannot_write_outside_its_directory(outside: Path, isolation: str):
-    if isolation == "bwrap" and bwrap_problem() is not None:
-        pytest.skip(bwrap_problem())
+def test_cannot_write_outside_its_directory(outside: Path, isolation: str, request: pytest.FixtureRequest):
+    if isolation == "bwrap":
+        request.getfixturevalue("bwrap")
     for name, template in ESCAPES.items():
         target = outside / name
         result = run_python(template.format(p=str(target)), limits=FAST, isolation=isolation)
@@ -106,17 +106,17 @@ def test_cannot_write_outside_its_directory(outside: Path, isolation: str):
     assert list(outside.iterdir()) == []
 
 
-def test_file_size_limit():
+def test_file_size_limit(bwrap):
     result = run_python("open('big', 'wb').write(b'x' * 10_000_000)", limits=SandboxLimits(max_output_bytes=1 << 20))
     assert result.returncode != 0
 
 
-def test_cannot_signal_the_trainer():
+def test_cannot_signal_the_trainer(bwrap):
     result = run_python(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\nprint('sent')", limits=FAST)
     assert "sent" not in result.stdout  # the pid is not visible from inside (and we are alive)
 
 
-def test_function_tests_see_plain_values_and_the_solutions_objects():
+def test_function_tests_see_plain_values_and_the_solutions_objects(bwrap):
     solution = (
         "from collections import Counter\nimport math\n"
         "class Solution:\n    def count(self, s):\n        return Counter(s)\n"

@@ -19,6 +19,8 @@ visible inside the sandbox). Standard library only; it runs in the sandboxed int
      ``PASS <nonce>`` when the test code ran to its end (only this process knows the nonce).
 """
 
+from __future__ import annotations  # annotations use only builtins: no typing import at start-up
+
 import builtins
 import os
 import resource
@@ -34,7 +36,7 @@ _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
 _PR_SET_NO_NEW_PRIVS = 38
 
 
-def _landlock(sandbox):
+def _landlock(sandbox: str) -> int:
     """Apply Landlock (weak mode only); returns the ABI version used (0: not available)."""
     import ctypes
 
@@ -79,7 +81,7 @@ def _landlock(sandbox):
     return abi
 
 
-def _audit_hook(sandbox):
+def _audit_hook(sandbox: str) -> object:
     """Refuse writes outside ``sandbox``, processes, ctypes, signals, sockets (weak mode only)."""
     real = os.path.realpath
     root = real(sandbox)
@@ -97,7 +99,7 @@ def _audit_hook(sandbox):
         "os.mknod": 1,
     }
 
-    def inside(path):
+    def inside(path: object) -> bool:
         if isinstance(path, int):
             return True
         p = real(os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path))
@@ -105,7 +107,7 @@ def _audit_hook(sandbox):
 
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
-    def hook(event, args):
+    def hook(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
@@ -130,7 +132,8 @@ def _audit_hook(sandbox):
 _CONTAINERS = ("tuple", "set", "frozenset", "deque")
 
 
-def _encode(x, refs):
+def _encode(x: object, refs: list[object]) -> object:
+    """``x`` as JSON-able plain data; other objects are appended to ``refs`` and sent by index."""
     if x is None or type(x) is bool:
         return x
     if isinstance(x, str):
@@ -159,7 +162,8 @@ def _encode(x, refs):
     return {"$": "ref", "v": len(refs) - 1}
 
 
-def _decode(x, ref):
+def _decode(x: object, ref: object) -> object:
+    """The inverse of :func:`_encode`; ``ref(index)`` makes the object for a reference."""
     if x is None or type(x) in (bool, int, float, str):
         return x
     if type(x) is list:
@@ -189,7 +193,7 @@ def _decode(x, ref):
 class _Channel:
     """One JSON message per line over a pair of pipe fds."""
 
-    def __init__(self, rfd, wfd, max_line):
+    def __init__(self, rfd: int, wfd: int, max_line: int) -> None:
         import json  # here, not at the top: a plain run starts faster without it
 
         self.json = json
@@ -197,18 +201,18 @@ class _Channel:
         self.w = os.fdopen(wfd, "wb")
         self.max_line = max_line
 
-    def send(self, message):
+    def send(self, message: object) -> None:
         self.w.write(self.json.dumps(message).encode() + b"\n")
         self.w.flush()
 
-    def receive(self):
+    def receive(self) -> dict:
         line = self.r.readline(self.max_line)
         if not line.endswith(b"\n"):
             raise EOFError("the other side ended or sent too much")
         return self.json.loads(line)
 
 
-def _serve(code, channel):
+def _serve(code: object, channel: _Channel) -> None:
     """Untrusted side: load the solution, then answer requests until the channel closes."""
     import types
 
@@ -232,7 +236,7 @@ def _serve(code, channel):
             names[name] = ["remote"]
     channel.send({"names": names})
 
-    def target(t):
+    def target(t: dict) -> object:
         return module.__dict__[t["name"]] if "name" in t else refs[t["ref"]]
 
     while True:
@@ -265,11 +269,11 @@ class RemoteError(Exception):
     """The solution raised an exception that is not a builtin one, or its process ended."""
 
 
-def _run_test(code, channel, nonce):
+def _run_test(code: str, channel: _Channel, nonce: str) -> None:
     """Trusted side: run the test code against proxies of the solution's names."""
     import importlib
 
-    def request(message):
+    def request(message: dict) -> object:
         channel.send(message)
         reply = channel.receive()
         if "raise" in reply:
@@ -287,32 +291,32 @@ def _run_test(code, channel, nonce):
         solution's code, so an object claiming to equal anything cannot pass a test.
         """
 
-        def __init__(self, ref=None, name=None):
+        def __init__(self, ref: int | None = None, name: str | None = None) -> None:
             object.__setattr__(self, "_target", {"ref": ref} if name is None else {"name": name})
 
-        def __call__(self, *args, **kwargs):
+        def __call__(self, *args: object, **kwargs: object) -> object:
             return request({"op": "call", "target": self._target, "args": _plain(list(args)), "kwargs": _plain(kwargs)})
 
-        def __getattr__(self, attr):
+        def __getattr__(self, attr: str) -> object:
             if attr.startswith("__"):
                 raise AttributeError(attr)
             return request({"op": "getattr", "target": self._target, "attr": attr})
 
-        def __iter__(self):
+        def __iter__(self) -> object:
             return request({"op": "iter", "target": self._target})
 
-        def __next__(self):
+        def __next__(self) -> object:
             return request({"op": "next", "target": self._target})
 
-        def __repr__(self):
+        def __repr__(self) -> str:
             return "<solution object>"
 
-    def _plain(x):
+    def _plain(x: object) -> object:
         refs = []
         value = _encode(x, refs)
         return _swap_refs(value, refs)
 
-    def _swap_refs(value, refs):
+    def _swap_refs(value: object, refs: list[object]) -> object:
         # Local Remote proxies are encoded as the reference the serve side knows them by.
         if type(value) is list:
             return [_swap_refs(v, refs) for v in value]
@@ -330,8 +334,8 @@ def _run_test(code, channel, nonce):
         raise RemoteError("the solution failed to load: %s: %s" % tuple(hello["raise"]))
     namespace = {"__name__": "__test__", "__builtins__": builtins}
     for name, spec in hello["names"].items():
-        if not isinstance(name, str) or not name.isidentifier() or hasattr(builtins, name):
-            continue  # a test's builtins are never the solution's
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
+            continue  # a test's builtins (and dunders) are never the solution's
         try:
             if spec[0] == "module":
                 namespace[name] = importlib.import_module(spec[1])
@@ -348,7 +352,7 @@ def _run_test(code, channel, nonce):
     sys.stdout.write("PASS %s\n" % nonce)
 
 
-def main():
+def main() -> None:
     # CONFIG is "key=value;..." (no json: importing it costs a plain run ~20% of its start-up).
     config = dict(item.split("=", 1) for item in sys.argv[1].split(";"))
     file_bytes = int(config["file_bytes"])

@@ -537,7 +537,8 @@ FORGERIES = {
     "read_the_tests": WALK + "import re\nfound = []\nfor path in walk():\n"
     "    try:\n        found += re.findall(rb'== (\\d+)', open(path, 'rb').read(1 << 16))\n"
     "    except OSError:\n        pass\nfor fd in range(0, 64):\n    try:\n"
-    "        found += re.findall(rb'== (\\d+)', os.read(fd, 1 << 16))\n    except OSError:\n        pass\n"
+    "        os.set_blocking(fd, False)\n        found += re.findall(rb'== (\\d+)', os.read(fd, 1 << 16))\n"
+    "    except OSError:\n        pass\n"
     "def square(x):\n    return int(found[-1]) if found else -1",
 }
 

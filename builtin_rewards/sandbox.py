@@ -229,7 +229,7 @@ class _Sandboxed:
         }
         argv = [";".join(f"{k}={v}" for k, v in config.items())]
         pass_fds = list(channel or ())
-        self.tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.tmp: str | None = None  # unsafe_local's working directory on the host
         self.info_fd: int | None = None
         if isolation == "bwrap":
             bwrap = _bwrap_path()
@@ -244,9 +244,8 @@ class _Sandboxed:
                 pass_fds.append(seccomp_fd)
             cmd, cwd, env = _bwrap_args(bwrap, limits, seccomp_fd, self.info_fd), None, {}
         else:
-            self.tmp = tempfile.TemporaryDirectory(prefix="grpo-sandbox-", ignore_cleanup_errors=True)
-            argv.append(self.tmp.name)  # also tells the boot code to add Landlock and the audit hook
-            cwd = self.tmp.name
+            self.tmp = cwd = tempfile.mkdtemp(prefix="grpo-sandbox-")
+            argv.append(cwd)  # also tells the boot code to add Landlock and the audit hook
             env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"}
             cmd = [os.path.realpath(sys.executable)]
         cmd += ["-I", "-S", "-B", "-X", "utf8", "-c", _BOOT_SOURCE, *argv]
@@ -304,21 +303,22 @@ class _Sandboxed:
         for fd in self.fds:
             os.close(fd)
         if self.tmp is not None:
-            _remove_tree(self.tmp.name)
+            _remove_tree(self.tmp)
 
 
 def _remove_tree(path: str) -> None:
-    """Best-effort removal (``unsafe_local`` only): never raises, whatever the program left."""
-    try:
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:  # a program may have taken away its own permissions
-                try:
-                    os.chmod(os.path.join(root, d), 0o700)
-                except OSError:
-                    pass
-        shutil.rmtree(path, ignore_errors=True)
-    except Exception:  # noqa: BLE001 - cleanup must not turn a score into an error
-        pass
+    """Best-effort removal (``unsafe_local`` only), never raising, whatever the program left:
+    deep trees (``shutil.rmtree`` recurses), directories without permissions, immutable files."""
+    fixes = ([], ["chmod", "-R", "u+rwx", "--", path], ["chattr", "-R", "-i", "-a", "--", path])
+    for fix in fixes:
+        try:
+            if fix:
+                subprocess.run(fix, capture_output=True, timeout=60)
+            subprocess.run(["rm", "-rf", "--", path], capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if not os.path.lexists(path):
+            return
 
 
 # -- availability -------------------------------------------------------------------------------

@@ -576,9 +576,10 @@ def test_stdin_tests_cannot_be_forged_or_copied_from_a_peer() -> None:
 # -- completions that try to make the reward itself fail ----------------------------------------
 
 
-def test_hostile_completions_score_zero_and_leave_nothing_behind() -> None:
+@pytest.mark.parametrize("isolation", ["bwrap", "unsafe_local"])  # the weaker one uses a host temp dir
+def test_hostile_completions_score_zero_and_leave_nothing_behind(isolation: str) -> None:
     leftovers = set(glob.glob(os.path.join(tempfile.gettempdir(), "grpo-sandbox-*")))
-    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3))
+    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3, sandbox=isolation))
     completions = [
         "print('\\ud800')\ndef square(x): return '\ud800'",  # a lone surrogate, in the source and the output
         "import os\nfor i in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\ndef square(x): return 0",

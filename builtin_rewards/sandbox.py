@@ -85,13 +85,15 @@ _EPERM, _ENOSYS = 1, 38
 _CLONE_THREAD = 0x00010000
 _ARCHES: dict[str, tuple[int, int, dict[int, int]]] = {
     # machine: (AUDIT_ARCH_*, clone, {syscall: errno}) -- fork/vfork, clone3 (ENOSYS makes glibc
-    # fall back to clone, which is checked for CLONE_THREAD), keyrings, ptrace, io_uring, bpf,
-    # perf, userfaultfd, unshare/setns
-    "x86_64": (0xC000003E, 56, {57: _EPERM, 58: _EPERM, 435: _ENOSYS, 248: _EPERM, 249: _EPERM, 250: _EPERM,
-                                101: _EPERM, 425: _EPERM, 321: _EPERM, 298: _EPERM, 323: _EPERM, 272: _EPERM,
-                                308: _EPERM}),
-    "aarch64": (0xC00000B7, 220, {435: _ENOSYS, 217: _EPERM, 218: _EPERM, 219: _EPERM, 117: _EPERM, 425: _EPERM,
-                                  280: _EPERM, 241: _EPERM, 282: _EPERM, 97: _EPERM, 268: _EPERM}),
+    # fall back to clone, which is checked for CLONE_THREAD); SysV shm/semaphores/messages and
+    # POSIX message queues (memory outside RLIMIT_AS); keyrings, ptrace, io_uring, bpf, perf,
+    # userfaultfd, unshare/setns
+    "x86_64": (0xC000003E, 56, {57: _EPERM, 58: _EPERM, 435: _ENOSYS, 29: _EPERM, 64: _EPERM, 68: _EPERM,
+                                240: _EPERM, 248: _EPERM, 249: _EPERM, 250: _EPERM, 101: _EPERM, 425: _EPERM,
+                                321: _EPERM, 298: _EPERM, 323: _EPERM, 272: _EPERM, 308: _EPERM}),
+    "aarch64": (0xC00000B7, 220, {435: _ENOSYS, 194: _EPERM, 190: _EPERM, 186: _EPERM, 180: _EPERM, 217: _EPERM,
+                                  218: _EPERM, 219: _EPERM, 117: _EPERM, 425: _EPERM, 280: _EPERM, 241: _EPERM,
+                                  282: _EPERM, 97: _EPERM, 268: _EPERM}),
 }
 
 

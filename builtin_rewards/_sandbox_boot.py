@@ -336,18 +336,16 @@ def _run_test(code: str, channel: _Channel, nonce: str) -> None:
     for name, spec in hello["names"].items():
         if not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
             continue  # a test's builtins (and dunders) are never the solution's
-        try:
-            if spec[0] == "module":
-                namespace[name] = importlib.import_module(spec[1])
-            elif spec[0] == "import":
-                value = importlib.import_module(spec[1])
-                for part in spec[2].split("."):
-                    value = getattr(value, part)
-                namespace[name] = value
-            else:
-                namespace[name] = Remote(name=name)
+        namespace[name] = Remote(name=name)
+        if type(spec) is not list or spec[:1] not in (["module"], ["import"]) or spec[1:2] == ["__main__"]:
+            continue  # __main__ on this side is the boot code
+        try:  # what the solution imported, this side imports itself (never the solution's copy)
+            value = importlib.import_module(spec[1])
+            for part in spec[2].split(".") if spec[0] == "import" else ():
+                value = getattr(value, part)
+            namespace[name] = value
         except Exception:
-            namespace[name] = Remote(name=name)
+            pass
     exec(compile(code, "<test>", "exec"), namespace)
     sys.stdout.write("PASS %s\n" % nonce)
 
@@ -355,6 +353,8 @@ def _run_test(code: str, channel: _Channel, nonce: str) -> None:
 def main() -> None:
     # CONFIG is "key=value;..." (no json: importing it costs a plain run ~20% of its start-up).
     config = dict(item.split("=", 1) for item in sys.argv[1].split(";"))
+    weak_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    del sys.argv[1:]  # the nonce lives on in this function only
     file_bytes = int(config["file_bytes"])
     for limit, value in (
         (resource.RLIMIT_CPU, int(config["cpu_seconds"])),
@@ -375,7 +375,7 @@ def main() -> None:
         chunks.append(chunk)
         left -= len(chunk)
     source = b"".join(chunks).decode("utf-8", errors="replace")
-    mode, weak_dir = config["mode"], sys.argv[2] if len(sys.argv) > 2 else None
+    mode = config["mode"]
     channel = None
     if config["channel"]:
         rfd, wfd = map(int, config["channel"].split(","))
@@ -395,7 +395,6 @@ def main() -> None:
     if mode == "serve":
         _serve(code, channel)
         return
-    del sys.argv[1:]
     exec(code, {"__name__": "__main__", "__file__": "solution.py", "__builtins__": builtins})
 
 

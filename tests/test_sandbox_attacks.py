@@ -518,7 +518,7 @@ def test_outside_processes_cannot_be_reprioritised_limited_or_signalled(helper) 
             os.getpriority(os.PRIO_PROCESS, pid),
             os.sched_getaffinity(pid),
             resource.prlimit(pid, resource.RLIMIT_NOFILE),
-            Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0],  # R/S, not T (stopped)
+            Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] in "tT",  # stopped or traced
         )
 
     before = {pid: state(pid) for pid in targets}

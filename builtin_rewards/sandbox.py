@@ -41,7 +41,7 @@ Isolation = Literal["bwrap", "unsafe_local"]
 
 _BOOT_SOURCE = Path(__file__).with_name("_sandbox_boot.py").read_text(encoding="utf-8")
 _INSTALL_HINT = (
-    "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), "
+    "install bubblewrap >= 0.8 (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap), "
     "or set the reward's param `sandbox: unsafe_local` to run with the weaker isolation, which does "
     "not contain hostile code (docs/rewards.md)"
 )

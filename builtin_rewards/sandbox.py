@@ -7,10 +7,10 @@ private size-capped tmpfs as working directory, no ``/proc``, a read-only minima
 nested user namespaces, and a seccomp filter that refuses to start processes (threads work)
 and a few kernel interfaces a program has no use for. Resource limits (CPU seconds, address
 space, file size, open files, threads) are set by the trusted boot code
-(:mod:`builtin_rewards._sandbox_boot`) before the program runs. Nothing outlives a run: the
-sandbox dies with ``bwrap`` (``--die-with-parent`` and its pid namespace), which is killed with
-its process group at the wall-clock timeout; stdin and outputs are memory files, so nothing of
-a run is left on disk.
+(:mod:`builtin_rewards._sandbox_boot`) before the program runs. Nothing outlives a run: at the
+wall-clock timeout (or when a run is no longer needed) the sandbox's init process is killed,
+which ends its pid namespace, and ``--die-with-parent`` covers the trainer dying; stdin and
+outputs are memory files, so nothing of a run is left on disk.
 
 Where bubblewrap is not usable, :func:`run_python` refuses (:class:`SandboxUnavailable`) unless
 ``isolation="unsafe_local"``: the older process with rlimits, Landlock and an audit hook, which
@@ -148,9 +148,11 @@ def _layout() -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]]:
     base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
     add(sysconfig.get_path("stdlib", vars=base))
     add(sysconfig.get_path("platstdlib", vars=base))
-    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
-    if libdir and soname and os.path.exists(os.path.join(libdir, soname)):
-        add(os.path.join(libdir, soname))
+    # The interpreter's own lib directory: libpython, and the libraries its extension modules
+    # link against where it does not use the system's (pyenv, conda).
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir and os.path.realpath(libdir).startswith(os.path.realpath(sys.base_prefix) + "/"):
+        add(libdir)
     add(exe)
     return exe, tuple(binds), tuple(links)
 

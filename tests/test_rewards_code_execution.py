@@ -77,7 +77,8 @@ def test_can_write_inside_its_own_directory(bwrap):
 
 def test_clean_environment_and_private_working_directory(monkeypatch, bwrap):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-    result = run_python("import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))\nprint(os.listdir('.'))", limits=FAST)
+    code = "import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))\nprint(os.listdir('.'))"
+    result = run_python(code, limits=FAST)
     assert result.stdout.split() == ["/tmp", "None", "[]"]
 
 
@@ -150,3 +151,11 @@ def test_bubblewrap_is_detected_once(monkeypatch):
     monkeypatch.setattr(sandbox, "_Sandboxed", lambda *a, **k: calls.append(a) or real(*a, **k))
     first, second = sandbox.bwrap_problem(), sandbox.bwrap_problem()
     assert first == second and len(calls) == (0 if sandbox._bwrap_path() is None else 1)
+
+
+def test_threads_work_but_processes_cannot_be_started(bwrap):
+    code = (
+        "import os, threading\nout = []\nt = threading.Thread(target=out.append, args=('thread',))\nt.start()\nt.join()\n"
+        "try:\n    os.fork()\nexcept OSError as exc:\n    out.append(type(exc).__name__)\nprint(*out)"
+    )
+    assert run_python(code, limits=FAST).stdout == "thread PermissionError\n"

@@ -318,8 +318,10 @@ def netlink():  # create a network interface
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)
     s.sendmsg([struct.pack("IHHII", 16 + len(body), 16, 0x605, 1, 0) + body], [], 0, (0, 0))
     print("netlink reply", s.recv(4096)[16:20])
-for f in (udp_sendto, udp_sendmsg, tcp, unix, abstract, lambda: icmp(socket.SOCK_RAW), lambda: icmp(socket.SOCK_DGRAM), netlink):
+for f in (udp_sendto, udp_sendmsg, tcp, unix, abstract, netlink):
     attempt(f)
+for kind in (socket.SOCK_RAW, socket.SOCK_DGRAM):
+    attempt(lambda: icmp(kind))
 print("done")
 """
     try:
@@ -554,11 +556,13 @@ FORGERIES = {
     "os_exit": "import os\nos._exit(0)",
     "sys_exit": "import sys\nsys.exit(0)",
     "excepthook": "import sys\nsys.excepthook = lambda *a: None\ndef square(x):\n    raise AssertionError",
-    "always_equal": "class Yes:\n    def __eq__(self, other): return True\n    def __bool__(self): return True\ndef square(x):\n    return Yes()",
+    "always_equal": "class Yes:\n    def __eq__(self, other): return True\n    def __bool__(self): return True\n"
+    "def square(x):\n    return Yes()",
     "int_subclass": "class Nine(int):\n    def __eq__(self, other): return True\ndef square(x):\n    return Nine(0)",
-    "patched_builtins": "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\nbuiltins.abs = lambda x: 0\n"
-    "def square(x):\n    return 0",
-    "audit_hook_tamper": "import gc, sys\nfor o in gc.get_objects():\n    if callable(o) and getattr(o, '__name__', '') == 'hook':\n"
+    "patched_builtins": "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
+    "builtins.abs = lambda x: 0\ndef square(x):\n    return 0",
+    "audit_hook_tamper": "import gc, sys\nfor o in gc.get_objects():\n"
+    "    if callable(o) and getattr(o, '__name__', '') == 'hook':\n"
     "        o.__code__ = (lambda *a: None).__code__\ndef square(x):\n    return 0",
     "fake_output": "import os, sys\nfor fd in range(3, 64):\n    try:\n"
     "        os.write(fd, b'{\"value\": true}\\n{\"names\": {}}\\nPASS\\n')\n    except OSError:\n        pass\n"
@@ -580,7 +584,8 @@ def test_function_tests_cannot_be_forged(name: str) -> None:
 
 
 def test_a_correct_solution_still_passes_the_harness() -> None:
-    assert run_function_test("def square(x):\n    return x * x", "assert square(7) == 49\nassert abs(square(-7)) == 49", FAST)
+    test = "assert square(7) == 49\nassert abs(square(-7)) == 49"
+    assert run_function_test("def square(x):\n    return x * x", test, FAST)
 
 
 def test_stdin_tests_cannot_be_forged_or_copied_from_a_peer() -> None:
@@ -621,7 +626,7 @@ def test_hostile_completions_score_zero_and_leave_nothing_behind(isolation: str)
         "import os\nos.write(1, b'\\xff\\xfe\\x00' * 100000)\nos.close(1)\nos.close(2)\ndef square(x): return 0",
         "def square(x):\n    return 10 ** 100000",
         "def square(x):\n    a = []\n    a.append(a)\n    return a",
-        "def square(x):\n    return [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[x]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
+        "def square(x):\n    return " + "[" * 90 + "x" + "]" * 90,  # deeply nested data
     ]
     tests = [["assert square(3) == 9", {"input": "", "output": "9"}]] * len(completions)
     scores = reward(["q"] * len(completions), completions, tests=tests)

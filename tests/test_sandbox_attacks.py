@@ -202,6 +202,7 @@ for path, node in attempts:
 print("done")
 """
         assert "done" in run(code)
+        os.sync()  # a write to the loop device would sit in its page cache until flushed
         assert backing.read_bytes() == b"\0" * (1 << 20)  # nothing reached the loop device's file
     log = _kernel_log()
     if log is not None:

@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 
 if [ "$(uname -s)" = Linux ] && ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } ||
+      echo "note: installing bubblewrap failed; the code_execution reward will refuse to run without it" >&2
   else
     echo "note: the code_execution reward needs bubblewrap: sudo apt-get install bubblewrap" \
       "(Fedora: sudo dnf install bubblewrap)" >&2

@@ -138,6 +138,9 @@ def run_ours(
         "nonfinite_skipped": sum(h.get("nonfinite_skipped", 0.0) for h in history),
     }
     del engine, model, result
+    import shutil
+
+    shutil.rmtree(config["output_dir"], ignore_errors=True)  # a full fine-tuning checkpoint is GBs
     return out
 
 

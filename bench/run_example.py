@@ -61,6 +61,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="key=value, as for grpo-plugins train")
     parser.add_argument("--name", default="example")
     parser.add_argument("--window", type=int, default=30, help="steps per reward window")
+    parser.add_argument(
+        "--timeout", type=float, default=None,
+        help="stop the run after this many seconds and summarise the steps it logged (do not kill this script from outside: it writes its JSON at the end)",
+    )
     args = parser.parse_args()
 
     output_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"example-{args.name}"
@@ -69,7 +73,13 @@ def main() -> None:
         command += ["--set", item]
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = "timeout"
+        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
     wall = time.perf_counter() - start
     history = []
     metrics = output_dir / "metrics.jsonl"
@@ -77,16 +87,16 @@ def main() -> None:
         history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     summary = {
         "command": command,
-        "returncode": proc.returncode,
+        "returncode": returncode,
         "wall_s": wall,
-        "stderr_tail": proc.stderr[-3000:],
-        "stdout_tail": proc.stdout[-1500:],
+        "stderr_tail": stderr[-3000:],
+        "stdout_tail": stdout[-1500:],
         **summarise(history, args.window),
         "history": history,
     }
     write_json(out_dir() / f"example-{args.name}.json", summary)
     short = {k: v for k, v in summary.items() if k not in ("history", "stdout_tail", "command")}
-    if proc.returncode == 0:
+    if returncode == 0:
         short.pop("stderr_tail")
     print(json.dumps(short, indent=1, default=str), flush=True)
 

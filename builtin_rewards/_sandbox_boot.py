@@ -1,21 +1,27 @@
-"""Boot script of the code sandbox, run as ``python -I -S _sandbox_boot.py CONFIG_JSON``.
+"""Trusted start-up code inside the code sandbox, run as ``python -I -S -B -c SOURCE CONFIG [DIR]``.
 
-It locks the process down before the untrusted program runs, in this order:
+:mod:`builtin_rewards.sandbox` passes this file's text with ``-c`` (nothing of the project is
+visible inside the sandbox). Standard library only; it runs in the sandboxed interpreter.
 
-1. resource limits (CPU seconds, address space, file size, open files, no core dumps), soft =
-   hard, so the program cannot raise them;
-2. Landlock (Linux >= 5.13, unprivileged, enforced by the kernel and inherited by children):
-   every kind of filesystem write is refused outside the sandbox directory (``/dev/null``
-   excepted), TCP bind/connect are refused (ABI >= 4), and signals to processes outside the
-   sandbox are refused (ABI >= 6);
-3. an audit hook (cannot be removed from Python) that refuses writes outside the sandbox
-   directory, starting processes, ctypes, signals, sockets and changing resource limits -- the
-   whole protection where Landlock is unavailable, a second layer where it is.
+1. Resource limits, soft = hard so the program cannot raise them: CPU seconds, address space,
+   file size (also caps its output), open files, threads/processes, no core dumps.
+2. With ``weak`` (the ``unsafe_local`` fallback, no bubblewrap): Landlock and an audit hook, the
+   older home-made write protection (see docs/rewards.md for what it does not contain).
+3. The mode:
 
-Then it runs ``solution.py`` from the sandbox directory as ``__main__``.
+   * ``main`` -- run the program (the first ``source`` bytes of stdin) as ``__main__``; the rest
+     of stdin is its input.
+   * ``serve`` -- untrusted side of a function-call test: load the program as module
+     ``solution``, then answer call requests over the channel fds with plain data (JSON).
+   * ``test`` -- trusted side, in a separate sandbox: run the test code (stdin) with the
+     solution's names bound to proxies that call into the ``serve`` sandbox; only plain data
+     comes back, so every comparison is made here, never by the solution's code. Prints
+     ``PASS <nonce>`` when the test code ran to its end (only this process knows the nonce).
 """
 
-import json
+from __future__ import annotations  # annotations use only builtins: no typing import at start-up
+
+import builtins
 import os
 import resource
 import sys
@@ -31,7 +37,7 @@ _PR_SET_NO_NEW_PRIVS = 38
 
 
 def _landlock(sandbox: str) -> int:
-    """Apply Landlock; returns the ABI version used (0: not available)."""
+    """Apply Landlock (weak mode only); returns the ABI version used (0: not available)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -65,7 +71,7 @@ def _landlock(sandbox: str) -> int:
         pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         rule = PathBeneath(allowed, pfd)
         if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+            raise OSError(ctypes.get_errno(), "landlock_add_rule(%s) failed" % path)
         os.close(pfd)
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(NO_NEW_PRIVS) failed")
@@ -75,10 +81,10 @@ def _landlock(sandbox: str) -> int:
     return abi
 
 
-def _audit_hook(sandbox: str):  # type: ignore[no-untyped-def]
+def _audit_hook(sandbox: str) -> object:
+    """Refuse writes outside ``sandbox``, processes, ctypes, signals, sockets (weak mode only)."""
     real = os.path.realpath
     root = real(sandbox)
-    allowed_files = {"/dev/null"}
     blocked = (
         "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
         "os.forkpty", "pty.spawn", "ctypes.", "os.kill", "os.killpg", "signal.pthread_kill",
@@ -93,58 +99,303 @@ def _audit_hook(sandbox: str):  # type: ignore[no-untyped-def]
         "os.mknod": 1,
     }
 
-    def inside(path) -> bool:  # type: ignore[no-untyped-def]
+    def inside(path: object) -> bool:
         if isinstance(path, int):
-            return True  # an already open descriptor
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if not isinstance(path, str):
-            path = os.fspath(path)
-        p = real(path)
-        return p == root or p.startswith(root + os.sep) or p in allowed_files
+            return True
+        p = real(os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path))
+        return p == root or p.startswith(root + os.sep) or p == "/dev/null"
 
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
-    def hook(event, args):  # type: ignore[no-untyped-def]
+    def hook(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & write_flags
             )
             if writing and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} is not allowed")
+                raise PermissionError("sandbox: writing %r is not allowed" % (path,))
         elif event in path_events:
             for path in args[: path_events[event]]:
                 if path is not None and not inside(path):
-                    raise PermissionError(f"sandbox: {event} on {path!r} is not allowed")
+                    raise PermissionError("sandbox: %s on %r is not allowed" % (event, path))
         elif event.startswith(blocked):
-            raise PermissionError(f"sandbox: {event} is not allowed")
+            raise PermissionError("sandbox: %s is not allowed" % event)
 
     return hook
 
 
+# -- plain data over the channel -------------------------------------------------------------
+# JSON; everything that is not None/bool/int/float/str/list is a tagged object {"$": tag, "v": ...}.
+# An object that is not plain data stays in the serve process and travels as a reference.
+
+_CONTAINERS = ("tuple", "set", "frozenset", "deque")
+
+
+def _encode(x: object, refs: list[object]) -> object:
+    """``x`` as JSON-able plain data; other objects are appended to ``refs`` and sent by index."""
+    if x is None or type(x) is bool:
+        return x
+    if isinstance(x, str):
+        return str.__str__(x)
+    if isinstance(x, int):
+        return int.__index__(x)
+    if isinstance(x, float):
+        return float.__float__(x)
+    if isinstance(x, complex):
+        return {"$": "complex", "v": [x.real, x.imag]}
+    if isinstance(x, (bytes, bytearray)):
+        return {"$": "bytes", "v": bytes(x).hex()}
+    if isinstance(x, list):
+        return [_encode(i, refs) for i in x]
+    if isinstance(x, tuple):
+        return {"$": "tuple", "v": [_encode(i, refs) for i in x]}
+    if isinstance(x, (set, frozenset)):
+        tag = "frozenset" if isinstance(x, frozenset) else "set"
+        return {"$": tag, "v": [_encode(i, refs) for i in x]}
+    if isinstance(x, dict):
+        tag = type(x).__name__ if type(x).__name__ in ("Counter", "OrderedDict") else "dict"
+        return {"$": tag, "v": [[_encode(k, refs), _encode(v, refs)] for k, v in x.items()]}
+    if type(x).__name__ == "deque" and type(x).__module__ == "collections":
+        return {"$": "deque", "v": [_encode(i, refs) for i in x]}
+    refs.append(x)
+    return {"$": "ref", "v": len(refs) - 1}
+
+
+def _decode(x: object, ref: object) -> object:
+    """The inverse of :func:`_encode`; ``ref(index)`` makes the object for a reference."""
+    if x is None or type(x) in (bool, int, float, str):
+        return x
+    if type(x) is list:
+        return [_decode(i, ref) for i in x]
+    if type(x) is not dict or set(x) != {"$", "v"}:
+        raise ValueError("malformed value")
+    tag, v = x["$"], x["v"]
+    if tag == "ref":
+        return ref(v)
+    if tag == "complex":
+        return complex(*v)
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag in ("dict", "Counter", "OrderedDict"):
+        import collections
+
+        items = [(_decode(k, ref), _decode(i, ref)) for k, i in v]
+        return {"dict": dict, "Counter": collections.Counter, "OrderedDict": collections.OrderedDict}[tag](dict(items))
+    if tag in _CONTAINERS:
+        import collections
+
+        kind = {"tuple": tuple, "set": set, "frozenset": frozenset, "deque": collections.deque}[tag]
+        return kind(_decode(i, ref) for i in v)
+    raise ValueError("unknown tag %r" % (tag,))
+
+
+class _Channel:
+    """One JSON message per line over a pair of pipe fds."""
+
+    def __init__(self, rfd: int, wfd: int, max_line: int) -> None:
+        import json  # here, not at the top: a plain run starts faster without it
+
+        self.json = json
+        self.r = os.fdopen(rfd, "rb")
+        self.w = os.fdopen(wfd, "wb")
+        self.max_line = max_line
+
+    def send(self, message: object) -> None:
+        self.w.write(self.json.dumps(message).encode() + b"\n")
+        self.w.flush()
+
+    def receive(self) -> dict:
+        line = self.r.readline(self.max_line)
+        if not line.endswith(b"\n"):
+            raise EOFError("the other side ended or sent too much")
+        return self.json.loads(line)
+
+
+def _serve(code: object, channel: _Channel) -> None:
+    """Untrusted side: load the solution, then answer requests until the channel closes."""
+    import types
+
+    refs = []
+    module = types.ModuleType("solution")
+    sys.modules["solution"] = module
+    try:
+        exec(code, module.__dict__)
+    except BaseException as exc:  # the solution's own failure is reported, not fatal here
+        channel.send({"raise": [type(exc).__name__, str(exc)[:500]]})
+        return
+    names = {}
+    for name, value in list(module.__dict__.items()):
+        if name.startswith("__"):
+            continue
+        if isinstance(value, types.ModuleType):
+            names[name] = ["module", value.__name__]
+        elif getattr(value, "__module__", "solution") not in ("solution", None) and hasattr(value, "__qualname__"):
+            names[name] = ["import", value.__module__, value.__qualname__]
+        else:
+            names[name] = ["remote"]
+    channel.send({"names": names})
+
+    def target(t: dict) -> object:
+        return module.__dict__[t["name"]] if "name" in t else refs[t["ref"]]
+
+    while True:
+        try:
+            request = channel.receive()
+        except EOFError:
+            return
+        try:
+            op, obj = request["op"], target(request["target"])
+            if op == "call":
+                args = _decode(request["args"], refs.__getitem__)
+                kwargs = _decode(request["kwargs"], refs.__getitem__)
+                value = obj(*args, **kwargs)
+            elif op == "getattr":
+                value = getattr(obj, request["attr"])
+            elif op == "iter":
+                value = iter(obj)
+            else:
+                value = next(obj)
+            reply = {"value": _encode(value, refs)}
+        except BaseException as exc:
+            reply = {"raise": [type(exc).__name__, str(exc)[:500]]}
+        try:
+            channel.send(reply)
+        except (TypeError, ValueError, RecursionError, OverflowError) as exc:
+            channel.send({"raise": [type(exc).__name__, "the result is not plain data"]})
+
+
+class RemoteError(Exception):
+    """The solution raised an exception that is not a builtin one, or its process ended."""
+
+
+def _run_test(code: str, channel: _Channel, nonce: str) -> None:
+    """Trusted side: run the test code against proxies of the solution's names."""
+    import importlib
+
+    def request(message: dict) -> object:
+        channel.send(message)
+        reply = channel.receive()
+        if "raise" in reply:
+            name, text = reply["raise"]
+            kind = getattr(builtins, str(name), None)
+            if isinstance(kind, type) and issubclass(kind, Exception):
+                raise kind(text)
+            raise RemoteError("%s: %s" % (name, text))
+        return _decode(reply["value"], Remote)
+
+    class Remote:
+        """An object living in the solution's process: callable, with attributes, iterable.
+
+        Comparisons and truth are Python's defaults for a plain object here: they never run the
+        solution's code, so an object claiming to equal anything cannot pass a test.
+        """
+
+        def __init__(self, ref: int | None = None, name: str | None = None) -> None:
+            object.__setattr__(self, "_target", {"ref": ref} if name is None else {"name": name})
+
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            return request({"op": "call", "target": self._target, "args": _plain(list(args)), "kwargs": _plain(kwargs)})
+
+        def __getattr__(self, attr: str) -> object:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return request({"op": "getattr", "target": self._target, "attr": attr})
+
+        def __iter__(self) -> object:
+            return request({"op": "iter", "target": self._target})
+
+        def __next__(self) -> object:
+            return request({"op": "next", "target": self._target})
+
+        def __repr__(self) -> str:
+            return "<solution object>"
+
+    def _plain(x: object) -> object:
+        refs = []
+        value = _encode(x, refs)
+        return _swap_refs(value, refs)
+
+    def _swap_refs(value: object, refs: list[object]) -> object:
+        # Local Remote proxies are encoded as the reference the serve side knows them by.
+        if type(value) is list:
+            return [_swap_refs(v, refs) for v in value]
+        if type(value) is dict:
+            if value["$"] == "ref":
+                obj = refs[value["v"]]
+                if not isinstance(obj, Remote) or "ref" not in obj._target:
+                    raise TypeError("only plain data and the solution's own objects can be passed to it")
+                return {"$": "ref", "v": obj._target["ref"]}
+            return {"$": value["$"], "v": _swap_refs(value["v"], refs)}
+        return value
+
+    hello = channel.receive()
+    if "raise" in hello:
+        raise RemoteError("the solution failed to load: %s: %s" % tuple(hello["raise"]))
+    namespace = {"__name__": "__test__", "__builtins__": builtins}
+    for name, spec in hello["names"].items():
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
+            continue  # a test's builtins (and dunders) are never the solution's
+        namespace[name] = Remote(name=name)
+        if type(spec) is not list or spec[:1] not in (["module"], ["import"]) or spec[1:2] == ["__main__"]:
+            continue  # __main__ on this side is the boot code
+        try:  # what the solution imported, this side imports itself (never the solution's copy)
+            value = importlib.import_module(spec[1])
+            for part in spec[2].split(".") if spec[0] == "import" else ():
+                value = getattr(value, part)
+            namespace[name] = value
+        except Exception:
+            pass
+    exec(compile(code, "<test>", "exec"), namespace)
+    sys.stdout.write("PASS %s\n" % nonce)
+
+
 def main() -> None:
-    config = json.loads(sys.argv[1])
-    sandbox = config["dir"]
+    # CONFIG is "key=value;..." (no json: importing it costs a plain run ~20% of its start-up).
+    config = dict(item.split("=", 1) for item in sys.argv[1].split(";"))
+    weak_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    del sys.argv[1:]  # the nonce lives on in this function only
+    file_bytes = int(config["file_bytes"])
     for limit, value in (
-        (resource.RLIMIT_CPU, config["cpu_seconds"]),
-        (resource.RLIMIT_AS, config["memory_bytes"]),
-        (resource.RLIMIT_FSIZE, config["file_bytes"]),
+        (resource.RLIMIT_CPU, int(config["cpu_seconds"])),
+        (resource.RLIMIT_AS, int(config["memory_bytes"])),
+        (resource.RLIMIT_FSIZE, file_bytes),
         (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_NPROC, int(config["max_tasks"])),
         (resource.RLIMIT_CORE, 0),
     ):
         resource.setrlimit(limit, (value, value))
-    os.chdir(sandbox)
-    if config.get("landlock", True):
-        _landlock(sandbox)
-    with open(os.path.join(sandbox, "solution.py"), encoding="utf-8") as f:
-        source = f.read()
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)
+    chunks, left = [], int(config["source_bytes"])
+    while left > 0:
+        chunk = os.read(0, left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    source = b"".join(chunks).decode("utf-8", errors="replace")
+    mode = config["mode"]
+    channel = None
+    if config["channel"]:
+        rfd, wfd = map(int, config["channel"].split(","))
+        channel = _Channel(rfd, wfd, file_bytes)
+    if mode == "test":
+        _run_test(source, channel, config["nonce"])
+        return
     code = compile(source, "solution.py", "exec")
-    del sys.argv[1:]
-    if config.get("audit_hook", True):
-        sys.addaudithook(_audit_hook(sandbox))
-    exec(code, {"__name__": "__main__", "__file__": "solution.py", "__builtins__": __builtins__})
+    if weak_dir:
+        _landlock(weak_dir)
+    if mode == "serve":
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(2, 1)  # the solution's prints must not mix with anything the parent reads
+    if weak_dir:
+        sys.addaudithook(_audit_hook(weak_dir))
+    if mode == "serve":
+        _serve(code, channel)
+        return
+    exec(code, {"__name__": "__main__", "__file__": "solution.py", "__builtins__": builtins})
 
 
-if __name__ == "__main__":
-    main()
+main()

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from builtin_rewards._text import column, completion_text
-from builtin_rewards.sandbox import SandboxLimits, run_python
+from builtin_rewards.sandbox import Isolation, SandboxLimits, check_isolation, run_function_test, run_python
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -33,48 +33,66 @@ class CodeExecution:
     """Fraction of the test cases the completion's Python code passes, run in a sandbox.
 
     Test cases come from a dataset column (``tests``), per sample a list (or its JSON string)
-    of either ``{"input": stdin, "output": expected stdout}`` mappings or strings of Python
-    (e.g. ``assert f(2) == 4``) appended to the program, which then must exit with status 0.
-    Every test runs in its own sandboxed process (see :mod:`builtin_rewards.sandbox`): own temp
-    directory, no writes outside it, CPU/memory/file-size limits, and killed after ``timeout``
-    seconds -- an infinite loop costs ``timeout`` and scores 0 for that test.
+    of either ``{"input": stdin, "output": expected stdout}`` mappings (the program runs with
+    that stdin; the reward compares its stdout) or strings of Python test code (e.g.
+    ``assert square(3) == 9``), which run in a trusted sandbox of their own that calls the
+    completion's functions in another sandbox and gets back only plain data. Either way the
+    verdict is decided outside the completion's process: exiting early, printing, or rewriting
+    hooks cannot pass a test. Each test is a fresh sandbox (:mod:`builtin_rewards.sandbox`)
+    killed after ``timeout`` seconds. A completion can make a test fail, never the reward raise.
     """
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         column: str = Field("tests", description="Dataset column holding each sample's test cases.")
-        timeout: float = Field(5.0, gt=0, description="Wall-clock seconds per test before the process is killed.")
+        timeout: float = Field(5.0, gt=0, description="Wall-clock seconds per test before the sandbox is killed.")
         cpu_seconds: int = Field(5, ge=1, description="CPU-time limit per test (RLIMIT_CPU).")
         memory_mb: int = Field(512, ge=16, description="Address-space limit per test (RLIMIT_AS).")
         max_output_bytes: int = Field(1 << 20, ge=1024, description="Output and file-size limit (RLIMIT_FSIZE).")
+        disk_mb: int = Field(64, ge=1, description="Size of the sandbox's writable tmpfs.")
         max_workers: int | None = Field(None, ge=1, description="Tests run in parallel; default: CPU count.")
         all_or_nothing: bool = Field(False, description="1.0 only when every test passes, else 0.0.")
+        sandbox: Isolation = Field(
+            "bwrap",
+            description="bwrap (bubblewrap; required by default) or unsafe_local: a plain process with "
+            "rlimits, Landlock and an audit hook, which does not contain hostile code.",
+        )
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = p = params or self.Params()
+        check_isolation(p.sandbox)
         self.limits = SandboxLimits(
-            timeout=p.timeout, cpu_seconds=p.cpu_seconds, memory_mb=p.memory_mb, max_output_bytes=p.max_output_bytes
+            timeout=p.timeout,
+            cpu_seconds=p.cpu_seconds,
+            memory_mb=p.memory_mb,
+            max_output_bytes=p.max_output_bytes,
+            disk_mb=p.disk_mb,
         )
 
-    def _run_test(self, code: str, test: Any) -> bool:
-        if isinstance(test, str):
-            return run_python(f"{code}\n\n{test}\n", limits=self.limits).ok
-        if isinstance(test, dict) and "output" in test:
-            result = run_python(code, str(test.get("input", "")), self.limits)
+    def _run_test(self, code: str, test: str | dict[str, Any]) -> bool:
+        try:
+            if isinstance(test, str):
+                return run_function_test(code, test, self.limits, isolation=self.params.sandbox)
+            result = run_python(code, str(test.get("input", "")), self.limits, isolation=self.params.sandbox)
             return result.ok and _same_output(result.stdout, str(test["output"]))
-        raise ValueError(f"a test case must be a string or an {{input, output}} mapping, got {test!r}")
+        except Exception:  # noqa: BLE001 - whatever a completion provokes, it scores 0 for this test
+            return False
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
         p = self.params
         tests = column(kwargs, p.column, "code_execution", len(completions))
-        jobs: list[tuple[int, str, Any]] = []
+        jobs: list[tuple[int, str, str | dict[str, Any]]] = []
         counts = []
         for i, (completion, cases) in enumerate(zip(completions, tests)):
             cases = json.loads(cases) if isinstance(cases, str) else list(cases or [])
+            for case in cases:
+                if not isinstance(case, str) and not (isinstance(case, dict) and "output" in case):
+                    raise ValueError(f"a test case must be a string or an {{input, output}} mapping, got {case!r}")
             counts.append(len(cases))
             code = extract_code(completion_text(completion))
             jobs.extend((i, code, case) for case in cases)
         passed = [0] * len(completions)
+        # Each job ends within its timeout, so a batch takes at most ceil(len(jobs) / workers) timeouts.
         with ThreadPoolExecutor(max_workers=p.max_workers or os.cpu_count() or 1) as pool:
             for (i, _, _), ok in zip(jobs, pool.map(lambda job: self._run_test(job[1], job[2]), jobs)):
                 passed[i] += int(ok)

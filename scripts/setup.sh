@@ -4,8 +4,20 @@
 # Installs into the active virtual environment if there is one, else into ./.venv (created).
 # torch: an installed torch is kept; otherwise torch==2.13.0 is installed (the CUDA build on a
 # Linux GPU machine, the CPU build where the index serves that).
+# bubblewrap (the code_execution reward's sandbox): installed with apt-get when missing and this
+# runs as root; otherwise the command to run is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "$(uname -s)" = Linux ] && ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } ||
+      echo "note: installing bubblewrap failed; the code_execution reward will refuse to run without it" >&2
+  else
+    echo "note: the code_execution reward needs bubblewrap: sudo apt-get install bubblewrap" \
+      "(Fedora: sudo dnf install bubblewrap)" >&2
+  fi
+fi
 
 if [ -z "${VIRTUAL_ENV:-}" ]; then
   [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv

@@ -24,3 +24,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The ``model:`` mapping for a tiny random Qwen2 with a character-level tokenizer."""
     return tiny_model_spec(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture()
+def bwrap() -> None:
+    """Skip a test that needs the bubblewrap sandbox where it is unusable -- but fail when the
+    ``CI`` variable is set: CI installs bubblewrap (scripts/setup.sh) and must run these tests."""
+    from builtin_rewards.sandbox import bwrap_problem
+
+    problem = bwrap_problem()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the sandbox tests, but bubblewrap is unusable: {problem}")
+        pytest.skip(f"bubblewrap is unusable here: {problem}")

@@ -62,7 +62,9 @@ def test_registration_imports_nothing_heavy():
         ("code_execution", {"timeout": 2}, {"tests": [["assert True"]] * 3}),
     ],
 )
-def test_builtin_meets_the_reward_contract(name, params, sample):
+def test_builtin_meets_the_reward_contract(name, params, sample, request):
+    if name == "code_execution":
+        request.getfixturevalue("bwrap")  # the sandbox it needs
     check_component("reward", builtin_rewards.REWARDS[name], name=name, params=params, sample=sample)
 
 

@@ -1,4 +1,6 @@
-"""The code-execution reward and its sandbox: scores, time limits, and no writes outside."""
+"""The code-execution reward and its sandbox: scores, test formats, limits, and the bubblewrap requirement.
+
+The hostile programs are in test_sandbox_attacks.py."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from builtin_rewards import sandbox
 from builtin_rewards.code_execution import CodeExecution, extract_code
-from builtin_rewards.sandbox import SandboxLimits, run_python
+from builtin_rewards.sandbox import SandboxLimits, SandboxUnavailable, run_function_test, run_python
 
 FAST = SandboxLimits(timeout=1.0, cpu_seconds=1, memory_mb=256)
 
@@ -28,7 +31,7 @@ def reward(**params) -> CodeExecution:
     return CodeExecution(CodeExecution.Params(**{"timeout": 1.0, "cpu_seconds": 1, **params}))
 
 
-def test_stdin_stdout_tests_score_the_fraction_passed():
+def test_stdin_stdout_tests_score_the_fraction_passed(bwrap):
     tests = [[{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}, {"input": "0 0", "output": "1"}]] * 2
     completions = [
         "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```",
@@ -37,7 +40,7 @@ def test_stdin_stdout_tests_score_the_fraction_passed():
     assert reward()(["q", "q"], completions, tests=tests) == pytest.approx([2 / 3, 0.0])
 
 
-def test_assert_tests_and_json_string_column():
+def test_assert_tests_and_json_string_column(bwrap):
     tests = ['["assert square(3) == 9", "assert square(-2) == 4"]'] * 2
     completions = ["def square(x):\n    return x * x", [{"role": "assistant", "content": "def square(x): return x + x"}]]
     assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]
@@ -49,7 +52,7 @@ def test_extract_code_takes_the_last_fence():
     assert extract_code("print(1)") == "print(1)"
 
 
-def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall():
+def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall(bwrap):
     start = time.monotonic()
     out = reward(timeout=1.0)(["q", "q"], ["while True:\n    pass", "print(1)"], tests=[[{"input": "", "output": "1"}]] * 2)
     elapsed = time.monotonic() - start
@@ -57,48 +60,26 @@ def test_infinite_loop_is_killed_at_the_time_limit_and_does_not_stall():
     assert elapsed < 3.0  # one 1 s timeout (tests run in parallel), not forever
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_timeout_kills_the_whole_process_group():
-    # With the audit hook off the program may start a child; the kill must reach it too.
-    code = "import subprocess, time\np = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"
-    start = time.monotonic()
-    result = run_python(code, limits=FAST, audit_hook=False)
-    assert result.timed_out and result.returncode is None
-    assert time.monotonic() - start < 3.0
-    child = int(result.stdout.split()[0])
-    deadline = time.monotonic() + 2
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
-
-
-def test_cpu_limit_kills_a_busy_loop_even_with_a_long_wall_clock():
+def test_cpu_limit_kills_a_busy_loop_even_with_a_long_wall_clock(bwrap):
     result = run_python("while True: pass", limits=SandboxLimits(timeout=20, cpu_seconds=1))
     assert not result.timed_out and result.returncode != 0 and result.seconds < 10
 
 
-def test_memory_limit():
+def test_memory_limit(bwrap):
     result = run_python("x = bytearray(400 * 1024 * 1024)\nprint('allocated')", limits=FAST)
     assert result.returncode != 0 and "MemoryError" in result.stderr
 
 
-def test_can_write_inside_its_own_directory():
+def test_can_write_inside_its_own_directory(bwrap):
     result = run_python("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", limits=FAST)
     assert result.ok and result.stdout == "ok\n"
 
 
-def test_clean_environment_and_own_working_directory(monkeypatch):
+def test_clean_environment_and_private_working_directory(monkeypatch, bwrap):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-    result = run_python("import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))", limits=FAST)
-    cwd, secret = result.stdout.split()
-    assert "grpo-sandbox-" in cwd and secret == "None"
+    code = "import os\nprint(os.getcwd())\nprint(os.environ.get('SECRET_TOKEN'))\nprint(os.listdir('.'))"
+    result = run_python(code, limits=FAST)
+    assert result.stdout.split() == ["/tmp", "None", "[]"]
 
 
 ESCAPES = {
@@ -115,21 +96,66 @@ ESCAPES = {
 }
 
 
-@pytest.mark.parametrize("layers", ["both", "landlock_only", "audit_hook_only"])
-def test_cannot_write_outside_its_directory(outside: Path, layers: str):
-    landlock, audit = layers != "audit_hook_only", layers != "landlock_only"
+@pytest.mark.parametrize("isolation", ["bwrap", "unsafe_local"])
+def test_cannot_write_outside_its_directory(outside: Path, isolation: str, request: pytest.FixtureRequest):
+    if isolation == "bwrap":
+        request.getfixturevalue("bwrap")
     for name, template in ESCAPES.items():
         target = outside / name
-        result = run_python(template.format(p=str(target)), limits=FAST, landlock=landlock, audit_hook=audit)
-        assert not target.exists(), f"{name} ({layers}) wrote outside the sandbox: {result}"
+        result = run_python(template.format(p=str(target)), limits=FAST, isolation=isolation)
+        assert not target.exists(), f"{name} ({isolation}) wrote outside the sandbox: {result}"
     assert list(outside.iterdir()) == []
 
 
-def test_file_size_limit():
+def test_file_size_limit(bwrap):
     result = run_python("open('big', 'wb').write(b'x' * 10_000_000)", limits=SandboxLimits(max_output_bytes=1 << 20))
     assert result.returncode != 0
 
 
-def test_cannot_signal_the_trainer():
-    result = run_python(f"import os\nos.kill({os.getpid()}, 9)", limits=FAST, audit_hook=False)
-    assert result.returncode != 0 and "not permitted" in result.stderr
+def test_cannot_signal_the_trainer(bwrap):
+    result = run_python(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)\nprint('sent')", limits=FAST)
+    assert "sent" not in result.stdout  # the pid is not visible from inside (and we are alive)
+
+
+def test_function_tests_see_plain_values_and_the_solutions_objects(bwrap):
+    solution = (
+        "from collections import Counter\nimport math\n"
+        "class Solution:\n    def count(self, s):\n        return Counter(s)\n"
+        "    def gen(self, n):\n        yield from range(n)\n"
+        "def pair(a, b=2):\n    return (a, b), {a: b}, {a}, b'x', 1.5, None\n"
+        "def fails():\n    raise ValueError('no')\n"
+    )
+    test = (
+        "s = Solution()\nassert s.count('aab') == Counter('aab') == {'a': 2, 'b': 1}\n"
+        "assert list(s.gen(3)) == [0, 1, 2]\nassert pair(1, b=3) == ((1, 3), {1: 3}, {1}, b'x', 1.5, None)\n"
+        "assert math.isclose(math.sqrt(2), 1.41421356, rel_tol=1e-6)\n"
+        "try:\n    fails()\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError\n"
+        "def check(candidate):\n    assert candidate(5)[0] == (5, 2)\ncheck(pair)\n"
+    )
+    assert run_function_test(solution, test, FAST)
+
+
+def test_without_bubblewrap_the_reward_refuses_unless_told_otherwise(monkeypatch):
+    monkeypatch.setattr(sandbox, "bwrap_problem", lambda: "bubblewrap (bwrap) is not installed")
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap.*sandbox: unsafe_local"):
+        CodeExecution()
+    weak = reward(sandbox="unsafe_local")
+    program = "def double(x):\n    return 2 * x\nif __name__ == '__main__':\n    print(double(int(input())))"
+    assert weak(["q"], [program], tests=[[{"input": "4", "output": "8"}, "assert double(5) == 10"]]) == [1.0]
+
+
+def test_bubblewrap_is_detected_once(monkeypatch):
+    sandbox.bwrap_problem.cache_clear()
+    calls = []
+    real = sandbox._Sandboxed
+    monkeypatch.setattr(sandbox, "_Sandboxed", lambda *a, **k: calls.append(a) or real(*a, **k))
+    first, second = sandbox.bwrap_problem(), sandbox.bwrap_problem()
+    assert first == second and len(calls) == (0 if sandbox._bwrap_path() is None else 1)
+
+
+def test_threads_work_but_processes_cannot_be_started(bwrap):
+    code = (
+        "import os, threading\nout = []\nt = threading.Thread(target=out.append, args=('thread',))\nt.start()\nt.join()\n"
+        "try:\n    os.fork()\nexcept OSError as exc:\n    out.append(type(exc).__name__)\nprint(*out)"
+    )
+    assert run_python(code, limits=FAST).stdout == "thread PermissionError\n"

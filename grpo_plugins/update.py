@@ -189,6 +189,9 @@ class PolicyUpdate:
                 "nonfinite_skipped": 1.0 if nonfinite else 0.0,
             }
         )
+        if acc.scaler is not None:  # float16: the scaler skips steps whose gradients overflowed
+            record["loss_scale"] = float(acc.scaler.get_scale())
+            record["scaler_skipped"] = 1.0 if getattr(self.optimizer, "step_was_skipped", False) else 0.0
         return record
 
 

@@ -355,3 +355,12 @@ def test_float16_skipped_steps_keep_the_gradient_scaler_working(tiny_model: dict
         Engine(cfg, model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS, registry=registry).train()
     assert [r["nonfinite_skipped"] for r in read_metrics(tmp_path / "out")] == [1.0, 1.0, 1.0]
     assert all(torch.equal(before[k], v.detach().float().cpu()) for k, v in model.named_parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="float16 training needs CUDA")
+def test_float16_logs_the_loss_scale_and_the_scalers_skipped_steps(tiny_model: dict, tmp_path: Path) -> None:
+    model, tok = _model(tiny_model)
+    cfg = _config(tiny_model, tmp_path, dtype="float16", max_steps=3)
+    Engine(cfg, model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS).train()
+    records = read_metrics(tmp_path / "out")
+    assert all(r["loss_scale"] > 0 and r["scaler_skipped"] in (0.0, 1.0) for r in records)

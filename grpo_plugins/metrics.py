@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,7 +146,9 @@ class MetricsWriter:
         total_steps: optimizer steps of the whole run (for the progress bar).
         start_step: the step a resumed run starts after.
         enabled: False on non-main processes.
-        console: show the rich progress bar.
+        console: report progress on the console: a live rich bar in a terminal; one compact line
+            per logged step where stdout is not a terminal (a log file, CI, a cluster job).
+        interactive: whether stdout is a terminal (default: ask it).
     """
 
     def __init__(
@@ -157,9 +160,16 @@ class MetricsWriter:
         *,
         enabled: bool = True,
         console: bool = True,
+        interactive: bool | None = None,
     ) -> None:
+        import sys
+
         self.output_dir = Path(output_dir)
         self.enabled = enabled
+        self.total_steps = total_steps
+        self._lines = False  # one printed line per logged step instead of the live bar
+        self._started = time.monotonic()
+        self._start_step = start_step
         self._jsonl = None
         self._completions = None
         self._tb = None
@@ -176,7 +186,11 @@ class MetricsWriter:
 
             # purge_step drops events a killed run wrote after its last checkpoint.
             self._tb = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
-        if console:
+        if interactive is None:
+            interactive = sys.stdout.isatty()
+        if console and not interactive:
+            self._lines = True
+        elif console:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
@@ -211,6 +225,31 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._lines:
+            print(self.line(step, metrics), flush=True)
+
+    def line(self, step: int, metrics: dict[str, float]) -> str:
+        """The compact console line of a logged step: step, reward and each reward component,
+        KL, mean completion length, seconds per step and the time left."""
+        parts = [f"step {step}/{self.total_steps}", f"reward {metrics.get('reward', float('nan')):.3f}"]
+        components = [
+            f"{key[len('rewards/'):-len('/mean')]} {value:.3f}"
+            for key, value in metrics.items()
+            if key.startswith("rewards/") and key.endswith("/mean")
+        ]
+        if components:
+            parts.append(" ".join(components))
+        if "kl" in metrics:
+            parts.append(f"kl {metrics['kl']:.4f}")
+        if "completions/mean_length" in metrics:
+            parts.append(f"len {metrics['completions/mean_length']:.1f}")
+        done = step - self._start_step
+        if done > 0:
+            per_step = (time.monotonic() - self._started) / done
+            left = max(self.total_steps - step, 0) * per_step
+            parts.append(f"{metrics.get('timing/step', per_step):.2f} s/step")
+            parts.append(f"ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}")
+        return " | ".join(parts)
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append sampled completions (prompt, completion, rewards, advantage) to completions.jsonl."""

@@ -122,3 +122,28 @@ def test_compiled_layers_with_padding_to_a_multiple_give_the_eager_logps(tiny_mo
     padded = completion_logps(model, *trim_padding(ids, mask, 2, multiple=8)[:2], 2)[0]
     torch.testing.assert_close(plain[0], padded[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(plain[1, :1], padded[1, :1], atol=1e-6, rtol=1e-6)
+
+
+def test_without_a_terminal_each_logged_step_is_one_compact_line(tmp_path, capsys) -> None:
+    from grpo_plugins.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, [], total_steps=4, interactive=False)
+    for step in (1, 2):
+        writer.log(step, {
+            "reward": 0.5 * step, "rewards/correct_answer/mean": 0.25 * step, "rewards/format/mean": 1.0,
+            "kl": 0.0012, "completions/mean_length": 42.0, "timing/step": 0.8,
+        })
+    writer.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[1].startswith("step 2/4 | reward 1.000 | correct_answer 0.500 format 1.000 | kl 0.0012 | len 42.0 | 0.80 s/step | ETA ")
+    assert "\x1b" not in "".join(lines)  # no terminal control sequences in a log file
+
+
+def test_in_a_terminal_the_live_bar_prints_no_lines(tmp_path, capsys) -> None:
+    from grpo_plugins.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, [], total_steps=4, interactive=True)
+    writer.log(1, {"reward": 0.5})
+    writer.close()
+    assert "step 1/4" not in capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -371,6 +372,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from grpo_plugins.validation import validate_config
 
     config = validate_config(load_config(args.config, args.set))
+    _show_info_logs()
     from grpo_plugins.engine import run_training
 
     result = run_training(config, resume=args.resume)
@@ -378,6 +380,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     if output_dir is not None:
         _console().print(f"[green]done: results in {output_dir}[/green]")
     return 0
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced after set-up)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _show_info_logs() -> None:
+    """The run's own notes (a GGUF conversion, a resume, float16 overflows) on stderr (once)."""
+    log = logging.getLogger("grpo_plugins")
+    if log.handlers:
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("grpo-plugins: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 # -- config reference ----------------------------------------------------------------------------

@@ -108,7 +108,10 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s to a trainable checkpoint in %s (once)", gguf_path, target)
+    logger.info(
+        "converting %s into a trainable checkpoint, once (about 30 s); later runs load it from %s",
+        gguf_path.name, target,
+    )
     folder, filename = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)

@@ -384,3 +384,18 @@ def test_the_commands_in_docs_cli_md_run(capsys):
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         assert "[1,1,2]" in out  # the example's output as the doc shows it
+
+
+def test_train_shows_the_runs_own_info_notes_on_stderr(capsys) -> None:
+    import logging
+
+    log = logging.getLogger("grpo_plugins")
+    saved = (list(log.handlers), log.level)
+    try:
+        cli._show_info_logs()
+        logging.getLogger("grpo_plugins.models").info("converting x into a trainable checkpoint")
+        logging.getLogger("transformers.other").info("not ours")
+        assert capsys.readouterr().err.splitlines()[-1] == "grpo-plugins: converting x into a trainable checkpoint"
+    finally:
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])

@@ -247,7 +247,7 @@ def run_trl(T: int, steps: int, warmup: int, vllm: bool = False) -> dict[str, An
     out = {
         "step_s": step,
         "step_times": step_times,
-        "generate_s": pick("GRPOTrainer.vllm.generate" if vllm else "GRPOTrainer.transformers.generate")
+        "generate_s": pick("GRPOTrainer.vLLM.generate" if vllm else "GRPOTrainer.transformers.generate")
         or pick("GRPOTrainer._generate"),
         "score_s": pick("GRPOTrainer._calculate_rewards"),
         "train_s": step - prepare,

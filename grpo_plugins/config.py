@@ -145,6 +145,10 @@ class GRPOConfig(_Strict):
     # -- generation -----------------------------------------------------------------------------
     generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere.")
     fast_inference: bool = Field(False, description="Use the vLLM backend (needs vllm installed).")
+    environment: str | ComponentRef = Field(
+        "single_turn",
+        description="What a rollout is: single_turn (one completion per prompt), tool_calling (multi-turn with tools, see docs/environments.md), or a plugin.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0); keep it high (1.0) for diverse groups. Log-probs use the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Must be in (0, 1].")
     top_k: int | None = Field(None, ge=1, description="None disables top-k filtering.")

@@ -9,7 +9,7 @@ its ``task`` component. Either way the result is a ``datasets.Dataset`` with a `
 from __future__ import annotations
 
 import glob
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from unittest import mock
@@ -182,7 +182,8 @@ PROMPT_CHECK_LIMIT = 50_000
 
 
 def prepare_dataset(
-    config: GRPOConfig, registry: Registry, tokenizer: Any, dataset: Any = None
+    config: GRPOConfig, registry: Registry, tokenizer: Any, dataset: Any = None,
+    encode: Callable[[list[Any]], list[list[int]]] | None = None,
 ) -> tuple[datasets.Dataset, Any | None, str]:
     """The prompts a run trains on, checked: (dataset, built task or None, prompt column).
 
@@ -213,7 +214,8 @@ def prepare_dataset(
     if len(dataset) == 0:
         raise TrainingError("the dataset is empty")
     check_prompt_lengths(
-        tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation
+        tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+        encode=encode,
     )
     return dataset, task, column
 
@@ -225,9 +227,11 @@ def check_prompt_lengths(
     max_prompt_length: int | None,
     truncation: str,
     limit: int = PROMPT_CHECK_LIMIT,
+    encode: Callable[[list[Any]], list[list[int]]] | None = None,
 ) -> None:
     """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
-    ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
+    ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``. ``encode``
+    turns prompts into ids (default: :func:`encode_prompts`; a run passes its environment's)."""
     if max_prompt_length is None or truncation != "error":
         return
     n = min(len(prompts), limit)
@@ -236,7 +240,10 @@ def check_prompt_lengths(
     for start in range(0, n, chunk):
         batch = list(prompts[start : min(n, start + chunk)])  # one slice: fast on a datasets Column
         try:
-            encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
+            if encode is not None:
+                encoded = encode(batch)
+            else:
+                encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
         except DataError:
             _raise_with_row(tokenizer, batch, start)
             raise
@@ -270,6 +277,7 @@ def encode_prompts(
     *,
     max_prompt_length: int | None,
     truncation: Literal["error", "left"] = "error",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt.
 
@@ -277,6 +285,8 @@ def encode_prompts(
     ``add_generation_prompt=True`` (the template adds any special tokens itself); strings are
     tokenized as they are. A prompt over ``max_prompt_length`` tokens raises
     :class:`PromptTooLongError` (``truncation="error"``) or keeps its last tokens (``"left"``).
+    ``chat_template_kwargs`` go to the chat template (e.g. ``tools=`` of a tool-calling
+    environment).
     """
     if truncation not in ("error", "left"):
         raise DataError(f"prompt_truncation must be 'error' or 'left', not '{truncation}'")
@@ -290,7 +300,9 @@ def encode_prompts(
                     "prompts are chat messages but the tokenizer has no chat template; use a "
                     "tokenizer with one (model.tokenizer) or plain-text prompts"
                 )
-            text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                list(prompt), tokenize=False, add_generation_prompt=True, **dict(chat_template_kwargs or {})
+            )
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise DataError(f"prompt {index} is empty after tokenization")

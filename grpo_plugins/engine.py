@@ -39,6 +39,7 @@ from grpo_plugins.checkpoint import (
 )
 from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
+from grpo_plugins.episodes import build_environment
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.generators import build_generator
 from grpo_plugins.guards import NonFiniteError, RunGuard
@@ -92,6 +93,8 @@ class Engine:
             the task's default rewards.
         dataset: a ``datasets.Dataset`` (or a list of row dicts) with a prompt column; default:
             ``config.dataset`` or the task's data.
+        environment: an already built environment (e.g. ``ToolCalling(functions=[my_tool])``);
+            default: ``config.environment``.
         registry: where components are looked up (default: the process-wide registry, or one
             without ``config.disable_plugins``).
 
@@ -108,13 +111,14 @@ class Engine:
         tokenizer: Any = None,
         rewards: Sequence[Callable[..., Any]] | None = None,
         dataset: Any = None,
+        environment: Any = None,
         registry: Registry | None = None,
     ) -> None:
         self.config = config if isinstance(config, GRPOConfig) else load_config(config)
         if model is not None and tokenizer is None:
             raise TrainingError("Engine(model=...) needs the model's tokenizer too: pass tokenizer=...")
         self.registry = registry if registry is not None else registry_for(self.config.disable_plugins)
-        if model is None and rewards is None and dataset is None:
+        if model is None and rewards is None and dataset is None and environment is None:
             # The config-only path gets the same complete check as `grpo-plugins validate`.
             from grpo_plugins.validation import validate_config
 
@@ -123,6 +127,7 @@ class Engine:
         self._given_tokenizer = tokenizer
         self._given_rewards = list(rewards) if rewards is not None else None
         self._given_dataset = dataset
+        self._given_environment = environment
         self.trace: list[dict[str, Any]] = []
         # Built by _setup():
         self.accelerator: Any = None
@@ -138,6 +143,7 @@ class Engine:
         self.scheduler: Any = None
         self.compiled_layers: Any = None
         self.generator: Any = None
+        self.environment: Any = None
         self.task: Any = None
         self.dataset: Any = None
         self.prompt_column = "prompt"
@@ -183,6 +189,7 @@ class Engine:
         set_seed(cfg.seed)
         self._load_model()
         self.generator = build_generator(cfg, self.registry, self.unwrapped, self.tokenizer, acc.device)
+        self.environment = build_environment(cfg, self.registry, self.generator, self.tokenizer, self._given_environment)
         self._load_data()
         self.rewards = reward_runner(cfg, self.registry, self._given_rewards, self.task)
         self.guard = RunGuard(cfg, self.rewards.names, self.registry)
@@ -194,7 +201,7 @@ class Engine:
         )
         reg = self.registry
         self.rollouts = RolloutMaker(
-            cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.generator,
+            cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.environment,
             self.rewards, resolve_component("reward_scaling", cfg.scale_rewards, reg),
             keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
         )
@@ -227,8 +234,10 @@ class Engine:
 
         cfg, plan = self.config, self.plan
         assert plan is not None
+        environment = self.environment
         self.dataset, self.task, self.prompt_column = prepare_dataset(
-            cfg, self.registry, self.tokenizer, self._given_dataset
+            cfg, self.registry, self.tokenizer, self._given_dataset,
+            encode=lambda prompts: environment.encode_prompts(prompts, None, "error"),
         )
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -239,6 +248,9 @@ class Engine:
     def _teardown(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
+        close_environment = getattr(self.environment, "close", None)
+        if close_environment is not None:  # e.g. a tool environment's worker threads
+            close_environment()
         close_generator = getattr(self.generator, "close", None)
         if close_generator is not None:  # e.g. vLLM's engine holds a third of the GPU
             close_generator()

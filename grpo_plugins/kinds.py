@@ -242,6 +242,90 @@ class Generator:
 
 
 # --------------------------------------------------------------------------------------------
+# Environments (rollouts) and tools
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EnvironmentSettings:
+    """What an environment needs to know about the run.
+
+    Attributes:
+        max_completion_length: the most tokens the *model* may produce in one episode, over all
+            of its turns (tokens the environment inserts do not count).
+        pad_token_id: written after the end of each episode's tokens.
+        eos_token_ids: the ids that end a model turn.
+    """
+
+    max_completion_length: int = 256
+    pad_token_id: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Episodes:
+    """What an environment returns for B prompts: every token after each prompt, and whose it is.
+
+    T = the longest episode. ``completion_ids`` holds the model's turns *and* the tokens the
+    environment put between them (tool results, chat-template tokens), in order; only the
+    tokens of ``model_mask`` carry the loss and count against ``max_completion_length``.
+    """
+
+    completion_ids: Tensor  # (B, T) long, right-padded with the pad token
+    completion_mask: Tensor  # (B, T) long, 1 for every token of the episode (attention)
+    model_mask: Tensor  # (B, T) long, 1 where the model produced the token (the loss mask)
+    is_truncated: Tensor  # (B,) bool: the model's budget ran out inside a turn (no EOS)
+    sampling_logps: Tensor | None = None  # (B, T) sampler log-probs of model tokens, 0 elsewhere
+    #: What the rewards receive as ``completions``, one per episode; None: the decoded text of
+    #: the model's tokens (the single-turn behaviour).
+    completions: list[Any] | None = None
+    #: Extra dataset-like columns for the rewards, one value per episode (e.g. ``tool_calls``).
+    info: dict[str, list[Any]] = field(default_factory=dict)
+    #: Per-episode numbers logged as ``env/<name>`` (mean over the generation batch), e.g.
+    #: ``turns``, ``tool_calls``, ``tool_errors``.
+    stats: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Environment:
+    """Drives one episode per prompt: the rollout itself (kind ``environment``).
+
+    Lifecycle: built with its params, then ``setup`` once (the run's generator, tokenizer and
+    :class:`EnvironmentSettings`), then ``encode_prompts`` and ``run`` once per generation cycle
+    for this process's prompts. ``run`` samples with ``self.generator.generate(prompt_ids)`` --
+    as often as it likes, re-prompting with grown sequences for further turns -- and returns
+    :class:`Episodes`. The built-in ``single_turn`` (the default) calls the generator once.
+    """
+
+    Params: ClassVar[type[BaseModel] | None] = None
+    #: The run's registry, set by the engine before ``setup`` (to look up tools and the like).
+    registry: Any = None
+
+    def setup(self, generator: Any, tokenizer: Any, settings: EnvironmentSettings) -> None:
+        self.generator, self.tokenizer, self.settings = generator, tokenizer, settings
+
+    def encode_prompts(self, prompts: list[Any], max_prompt_length: int | None, truncation: str) -> list[list[int]]:
+        """The token ids of each prompt (chat messages through the chat template); the default
+        is the core's :func:`grpo_plugins.data.encode_prompts`."""
+        from grpo_plugins.data import encode_prompts
+
+        return encode_prompts(self.tokenizer, prompts, max_prompt_length=max_prompt_length, truncation=truncation)  # type: ignore[arg-type]
+
+    def run(self, prompts: list[Any], prompt_ids: list[list[int]], columns: dict[str, list[Any]]) -> Episodes:
+        """One episode per prompt: ``prompts`` as in the dataset, ``prompt_ids`` their tokens,
+        ``columns`` the other dataset columns (one value per prompt)."""
+        raise NotImplementedError
+
+
+def tool_interface(**arguments: Any) -> Any:
+    """The tool contract (TRL's): a plain function with type hints and a Google-style docstring
+    (``Args:`` describes each argument), called with the keyword arguments of the model's tool
+    call. Its result is turned into text (``str``, or JSON for other values) as the tool
+    message; an exception becomes the message ``Error: ...``.
+    """
+    raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
 # Tasks
 # --------------------------------------------------------------------------------------------
 
@@ -331,6 +415,18 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
             "generator", "register_generators",
             "Register generation backends (kind ``generator``).\n\nSee :class:`grpo_plugins.kinds.Generator`.",
             Generator, "generator", f"{_CHECKS}:check_generator",
+        ),
+        ComponentKind(
+            "environment", "register_environments",
+            "Register environments (kind ``environment``): what a rollout is (single turn, multi-turn, tools).\n\n"
+            "See :class:`grpo_plugins.kinds.Environment`.",
+            Environment, "environment", f"{_CHECKS}:check_environment",
+        ),
+        ComponentKind(
+            "tool", "register_tools",
+            "Register tools (kind ``tool``) that tool-calling environments offer the model.\n\n"
+            "A tool is a plain function with type hints and a docstring (TRL's convention).",
+            tool_interface, "environment.params.tools", f"{_CHECKS}:check_tool",
         ),
         ComponentKind(
             "task", "register_tasks",

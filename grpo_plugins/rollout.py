@@ -169,7 +169,8 @@ class RolloutMaker:
         tokenizer: its tokenizer.
         dataset: the prompts (a ``datasets.Dataset``) and any columns the rewards read.
         prompt_column: the dataset column holding the prompt.
-        generator: the built generation backend (set up already).
+        environment: the built environment (set up already with the run's generator): it
+            turns prompts into episodes (``single_turn``: one completion each).
         rewards: the run's :class:`~grpo_plugins.rewards.RewardRunner`.
         scaling: the built ``reward_scaling`` component.
         correction: whether the rollout correction is on (sampling log-probs are kept).
@@ -186,7 +187,7 @@ class RolloutMaker:
         tokenizer: Any,
         dataset: Any,
         prompt_column: str,
-        generator: Any,
+        environment: Any,
         rewards: Any,
         scaling: Any,
         correction: bool,
@@ -195,7 +196,7 @@ class RolloutMaker:
     ) -> None:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
         self.tokenizer, self.dataset, self.prompt_column = tokenizer, dataset, prompt_column
-        self.generator, self.rewards, self.scaling = generator, rewards, scaling
+        self.environment, self.rewards, self.scaling = environment, rewards, scaling
         self.correction, self.guard, self.registry = correction, guard, registry
         self.stream = PromptStream(len(dataset), config.seed)
 
@@ -207,39 +208,40 @@ class RolloutMaker:
             RewardFailed: a reward failed on some process.
             NonFiniteError: a NaN/inf reward or advantage with ``on_nonfinite: stop``.
         """
-        from grpo_plugins.data import encode_prompts, left_pad
+        from grpo_plugins.data import left_pad
 
         cfg, acc, plan = self.config, self.accelerator, self.plan
         share = plan.prompt_indices(cycle)[plan.process_rows(acc.process_index)]  # (L,) prompt per row
         unique = sorted(set(share))
         rows = {i: self.dataset[self.stream.row(i)] for i in unique}
-        encoded = encode_prompts(
-            self.tokenizer,
-            [rows[i][self.prompt_column] for i in unique],
-            max_prompt_length=cfg.max_prompt_length,
-            truncation=cfg.prompt_truncation,
+        encoded = self.environment.encode_prompts(
+            [rows[i][self.prompt_column] for i in unique], cfg.max_prompt_length, cfg.prompt_truncation
         )
         ids_of = dict(zip(unique, encoded))
         prompt_ids = [list(ids_of[i]) for i in share]
-
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = self.generator.generate(prompt_ids)
-        generate_seconds = time.perf_counter() - t0
-
-        completion_ids = out.completion_ids.to(acc.device)  # (L, T)
-        completion_mask = out.completion_mask.to(acc.device).long()  # (L, T)
-        truncated = out.is_truncated.to(acc.device).bool()  # (L,)
-        lengths = completion_mask.sum(1)  # (L,)
         prompts = [rows[i][self.prompt_column] for i in share]
         columns = {n: [rows[i][n] for i in share] for n in self.dataset.column_names if n != self.prompt_column}
 
         t0 = time.perf_counter()
-        local_rewards, texts = self._score(prompts, completion_ids, lengths, columns, step_number)  # (L, K)
+        with torch.no_grad():
+            episodes = self.environment.run(prompts, prompt_ids, columns)
+        generate_seconds = time.perf_counter() - t0
+
+        completion_ids = episodes.completion_ids.to(acc.device)  # (L, T) the model's and the environment's tokens
+        completion_mask = episodes.completion_mask.to(acc.device).long()  # (L, T) attention
+        model_mask = episodes.model_mask.to(acc.device).long()  # (L, T) the model's tokens
+        truncated = episodes.is_truncated.to(acc.device).bool()  # (L,)
+        lengths = model_mask.sum(1)  # (L,) model tokens per episode
+        columns = self._with_info(columns, episodes.info)
+
+        t0 = time.perf_counter()
+        local_rewards, texts = self._score(
+            prompts, completion_ids, model_mask, columns, step_number, episodes.completions
+        )  # (L, K)
         reward_seconds = time.perf_counter() - t0
         advantages, all_rewards, nonfinite = self._advantages(local_rewards, step_number)  # (L,) (N, K)
 
-        loss_mask = completion_mask.float()  # (L, T)
+        loss_mask = model_mask.float()  # (L, T) only the model's tokens carry the loss
         if cfg.mask_truncated_completions:
             loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
         prompt_tensor, prompt_mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device=acc.device)  # (L, P)
@@ -256,11 +258,12 @@ class RolloutMaker:
             advantages=advantages,
             old_logps=None,
             ref_logps=None,
-            sampling_logps=self._sampling_logps(out),
+            sampling_logps=self._sampling_logps(episodes),
             window_items=self._window_items(loss_mask, steps),
             metrics={
                 **reward_metrics(all_rewards, self.rewards.names, self.rewards.weights, plan.num_generations),
                 **completion_metrics(acc.gather(lengths), acc.gather(truncated.long()).bool()),
+                **self._episode_metrics(episodes.stats, completion_mask, model_mask),
             },
             num_tokens=int(acc.reduce(attention_mask.sum().double(), reduction="sum")),
             generate_seconds=generate_seconds,
@@ -273,16 +276,47 @@ class RolloutMaker:
 
     # -- the stages ----------------------------------------------------------------------------
 
+    def _with_info(self, columns: dict[str, list[Any]], info: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """The dataset columns plus the environment's per-episode info columns."""
+        clash = sorted(set(info) & (set(columns) | {self.prompt_column}))
+        if clash:
+            raise TrainingError(
+                f"the environment's info column(s) {clash} have the name of dataset columns; rename one of them"
+            )
+        return {**columns, **info}
+
+    def _episode_metrics(self, stats: dict[str, list[float]], completion_mask: Tensor, model_mask: Tensor) -> dict[str, float]:
+        """``env/<stat>`` means over the whole batch (turns, tool calls, ...), and the tokens per
+        episode by source: ``env/model_tokens``, ``env/environment_tokens``. Nothing for a
+        single-turn environment (it reports no stats)."""
+        if not stats:
+            return {}
+        acc = self.accelerator
+        names = sorted(stats)
+        local = torch.tensor([stats[n] for n in names], dtype=torch.float64, device=acc.device).T  # (L, S)
+        model = model_mask.sum(1).double()  # (L,)
+        other = (completion_mask.sum(1) - model_mask.sum(1)).double()  # (L,)
+        table = acc.gather(torch.cat([local, model[:, None], other[:, None]], dim=1)).mean(0).tolist()  # (S + 2,)
+        keys = [f"env/{n}" for n in names] + ["env/model_tokens", "env/environment_tokens"]
+        return dict(zip(keys, table))
+
     def _score(
-        self, prompts: list[Any], completion_ids: Tensor, lengths: Tensor, columns: dict[str, list[Any]], step_number: int
-    ) -> tuple[Tensor, list[str]]:
-        """(L, K) rewards of this process's completions, and their texts. A failure on any
+        self,
+        prompts: list[Any],
+        completion_ids: Tensor,
+        model_mask: Tensor,
+        columns: dict[str, list[Any]],
+        step_number: int,
+        completions: list[Any] | None = None,
+    ) -> tuple[Tensor, list[Any]]:
+        """(L, K) rewards of this process's episodes, and what the rewards saw as completions
+        (the decoded model tokens, or the environment's ``completions``). A failure on any
         process raises RewardFailed on every process."""
         from grpo_plugins.rewards import RewardError
 
         acc = self.accelerator
-        id_lists = [completion_ids[i, : int(lengths[i])].tolist() for i in range(len(prompts))]
-        texts = self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+        id_lists = [completion_ids[i][model_mask[i].bool()].tolist() for i in range(len(prompts))]
+        texts = completions if completions is not None else self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
         error: Exception | None = None
         try:
             local = self.rewards(prompts, texts, id_lists, columns, step=step_number - 1).to(acc.device)  # (L, K)
@@ -368,7 +402,7 @@ class RolloutMaker:
         return out
 
     def _log_completions(
-        self, writer: MetricsWriter, step_number: int, prompts: list[Any], texts: list[str], rewards: Tensor, advantages: Tensor
+        self, writer: MetricsWriter, step_number: int, prompts: list[Any], texts: list[Any], rewards: Tensor, advantages: Tensor
     ) -> None:
         from accelerate.utils import gather_object
 

@@ -51,7 +51,7 @@ __all__ = [
 COMPONENT_FIELDS: dict[str, str] = {
     k.config_field: k.name
     for k in sorted(COMPONENT_KINDS.values(), key=lambda k: k.name != "task")
-    if k.name != "reward"
+    if k.name != "reward" and "." not in k.config_field  # nested (tools): checked by their owner
 }
 
 

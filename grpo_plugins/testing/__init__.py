@@ -5,6 +5,8 @@
 * :mod:`~grpo_plugins.testing.registries`: :func:`registered_plugin`,
   :func:`registered_component` and :func:`isolated_registry` register plugins or components for
   the duration of a test and restore the registry afterwards;
+* :mod:`~grpo_plugins.testing.scripted`: :class:`ScriptedGenerator`, a scripted policy (fixed
+  completions) for testing environments and the engine without sampling;
 * :mod:`~grpo_plugins.testing.contracts`: :func:`check_component` and :func:`check_plugin`
   check components against the interface of their kind and raise
   :class:`ComponentContractError` listing everything that is wrong (docs/plugins.md, "Testing a
@@ -29,6 +31,7 @@ from grpo_plugins.testing.registries import (
     registered_component,
     registered_plugin,
 )
+from grpo_plugins.testing.scripted import ScriptedGenerator, scripted_setup
 from grpo_plugins.testing.tiny import (
     BOS,
     CHAT_TEMPLATE,
@@ -48,6 +51,7 @@ __all__ = [
     "PAD",
     "TEST_DISTRIBUTION",
     "ComponentContractError",
+    "ScriptedGenerator",
     "build_tiny_tokenizer",
     "check_component",
     "check_plugin",
@@ -57,6 +61,7 @@ __all__ = [
     "isolated_registry",
     "registered_component",
     "registered_plugin",
+    "scripted_setup",
     "reward_interface",
     "tiny_model_config",
     "tiny_model_spec",

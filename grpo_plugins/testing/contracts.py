@@ -347,6 +347,73 @@ def check_task(built: Any, sample: dict[str, Any]) -> list[str]:
     return problems
 
 
+def check_environment(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built environment (see :func:`check_component`): run on two
+    chat prompts with a scripted policy (``sample["reply"]``, default "4") and a tiny character
+    tokenizer, its episodes must be consistent."""
+    import tempfile
+
+    from grpo_plugins.kinds import EnvironmentSettings
+    from grpo_plugins.registry import get_registry
+    from grpo_plugins.testing.scripted import ScriptedGenerator, scripted_setup
+    from grpo_plugins.testing.tiny import build_tiny_tokenizer
+
+    from transformers import AutoTokenizer
+
+    budget = 24
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(str(build_tiny_tokenizer(tmp)))
+    generator = scripted_setup(ScriptedGenerator(sample.get("reply", "4")), tokenizer, budget)
+    if getattr(built, "registry", None) is None:
+        built.registry = get_registry()
+    built.setup(generator, tokenizer, EnvironmentSettings(budget, int(tokenizer.pad_token_id), [int(tokenizer.eos_token_id)]))
+    prompts = sample.get("prompts", [[{"role": "user", "content": "What is 2 plus 2?"}]] * 2)
+    columns = {k: v for k, v in sample.items() if k not in ("reply", "prompts")}
+    columns.setdefault("answer", ["4"] * len(prompts))
+    ids = built.encode_prompts(prompts, None, "error")
+    out = built.run(prompts, ids, columns)
+    problems: list[str] = []
+    B = len(prompts)
+    shape = tuple(out.completion_ids.shape)
+    if len(shape) != 2 or shape[0] != B:
+        return [f"completion_ids must be (B={B}, T), got {shape}"]
+    for field in ("completion_mask", "model_mask"):
+        if tuple(getattr(out, field).shape) != shape:
+            problems.append(f"{field} must have the shape of completion_ids {shape}, got {tuple(getattr(out, field).shape)}")
+    if problems:
+        return problems
+    if bool((out.model_mask.bool() & ~out.completion_mask.bool()).any()):
+        problems.append("model_mask marks tokens outside completion_mask")
+    if int(out.model_mask.sum(1).max()) > budget:
+        problems.append(f"an episode has more model tokens than max_completion_length={budget}")
+    if tuple(out.is_truncated.shape) != (B,):
+        problems.append(f"is_truncated must be (B={B},), got {tuple(out.is_truncated.shape)}")
+    if out.sampling_logps is not None and tuple(out.sampling_logps.shape) != shape:
+        problems.append(f"sampling_logps must be None or {shape}, got {tuple(out.sampling_logps.shape)}")
+    if out.completions is not None and len(out.completions) != B:
+        problems.append(f"completions must have one entry per prompt ({B}), got {len(out.completions)}")
+    for kind, table in (("info", out.info), ("stats", out.stats)):
+        for key, values in table.items():
+            if len(values) != B:
+                problems.append(f"{kind}['{key}'] must have one value per prompt ({B}), got {len(values)}")
+    close = getattr(built, "close", None)
+    if close is not None:
+        close()
+    return problems
+
+
+def check_tool(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a tool (see :func:`check_component`): transformers'
+    ``get_json_schema`` must describe it (type hints on every argument, an ``Args:`` docstring)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        get_json_schema(built)
+    except Exception as exc:  # noqa: BLE001 - transformers' own parsing errors
+        return [f"it cannot be described to the model: {exc} (give every argument a type hint and an Args: docstring entry)"]
+    return []
+
+
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
@@ -432,7 +499,10 @@ def check_component(
     * rollout_correction: (B, T) or (B, 1) in [0, cap], 1 when sampler and policy agree;
     * task: ``load(0)`` gives a non-empty dataset with a ``prompt`` column, and
       ``default_rewards`` are names or mappings;
-    * generator: only the static checks (generating needs a model).
+    * generator: only the static checks (generating needs a model);
+    * environment: run with a scripted policy (``sample["reply"]``) on two chat prompts, its
+      episodes are consistent (shapes, the model's tokens within the episode and the budget);
+    * tool: transformers' ``get_json_schema`` can describe it.
 
     Raises:
         ComponentContractError: listing every problem found.

@@ -377,6 +377,11 @@ class RolloutMaker:
                     rollout.ref_logps = self.batch_logps(rollout, policy.unwrapped, steps)
             else:
                 rollout.ref_logps = self.batch_logps(rollout, policy.ref_model, steps)
+        # Only the model's tokens have log-probs: 0 at the environment's (and masked) tokens.
+        for name in ("old_logps", "ref_logps"):
+            value = getattr(rollout, name)
+            if value is not None:
+                setattr(rollout, name, value * (rollout.loss_mask > 0))
 
     def batch_logps(self, rollout: Rollout, model: Any, steps: list[Step]) -> Tensor:
         """(L, T) log-probs of the whole share, one micro-batch at a time, without gradients."""

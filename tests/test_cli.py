@@ -314,7 +314,8 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch):
 def train_registry():
     reg = Registry(entry_points=False)
     for kind, name in [("task", "t"), ("reward", "r"), ("loss_type", "dapo"), ("importance_sampling", "token"),
-                       ("reward_scaling", "group"), ("rollout_correction", "token_truncate"), ("generator", "transformers")]:
+                       ("reward_scaling", "group"), ("rollout_correction", "token_truncate"), ("generator", "transformers"),
+                       ("environment", "single_turn")]:
         reg.register(kind, name, type(name, (), {"default_rewards": ["r"]}))
     previous = set_registry(reg)
     try:

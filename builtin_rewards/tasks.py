@@ -76,6 +76,10 @@ class ArithmeticTask:
         )
         seed: int | None = Field(None, description="Seed of the generator; None: the run's seed.")
         system_prompt: str = Field(SYSTEM_PROMPT, description="The system message (states the answer format).")
+        examples: list[dict[str, Any]] = Field(
+            default_factory=list,
+            description="Chat messages placed between the system message and the problem: a worked example (few-shot), e.g. a tool call and its result.",
+        )
 
         @model_validator(mode="after")
         def _range(self) -> ArithmeticTask.Params:
@@ -131,6 +135,7 @@ class ArithmeticTask:
                 {
                     "prompt": [
                         {"role": "system", "content": p.system_prompt},
+                        *[dict(m) for m in p.examples],
                         {"role": "user", "content": question},
                     ],
                     "question": question,

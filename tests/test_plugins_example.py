@@ -21,6 +21,7 @@ EXAMPLE = {
     ("reward", "keyword_coverage"),
     ("loss_type", "seq_mean_token_sum"),
     ("importance_sampling", "gspo_token"),
+    ("environment", "second_chance"),
 }
 
 try:

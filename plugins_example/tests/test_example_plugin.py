@@ -6,6 +6,7 @@ import importlib.metadata
 
 import pytest
 
+import grpo_plugins_example.environment
 import grpo_plugins_example.importance_sampling
 import grpo_plugins_example.loss_type
 import grpo_plugins_example.rewards
@@ -17,11 +18,13 @@ COMPONENTS = {
     ("reward", "keyword_coverage"),
     ("loss_type", "seq_mean_token_sum"),
     ("importance_sampling", "gspo_token"),
+    ("environment", "second_chance"),
 }
 MODULES = [
     grpo_plugins_example.rewards,
     grpo_plugins_example.loss_type,
     grpo_plugins_example.importance_sampling,
+    grpo_plugins_example.environment,
 ]
 
 

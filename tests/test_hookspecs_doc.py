@@ -52,7 +52,10 @@ def test_every_interface_method_is_documented_with_its_exact_signature(kind: str
 
 @pytest.mark.parametrize(
     ("kind", "cls"),
-    [("loss_type", kinds.LossInputs), ("generator", kinds.SamplingSettings), ("generator", kinds.GenerationOutput)],
+    [
+        ("loss_type", kinds.LossInputs), ("generator", kinds.SamplingSettings), ("generator", kinds.GenerationOutput),
+        ("environment", kinds.EnvironmentSettings), ("environment", kinds.Episodes),
+    ],
 )
 def test_every_field_of_the_interface_data_classes_is_documented(kind: str, cls: type) -> None:
     section = kind_section(kind)

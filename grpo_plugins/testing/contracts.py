@@ -70,7 +70,7 @@ def format_signature(name: str, fn: Callable[..., Any]) -> str:
 def interface_signatures(kind: str) -> list[str]:
     """The exact signatures of ``kind``'s interface (what docs/plugins.md documents)."""
     return [
-        format_signature("reward" if method == "__call__" else method, fn)
+        format_signature(kind if method == "__call__" else method, fn)
         for method, fn in interface_methods(kind).items()
     ]
 
@@ -104,7 +104,7 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
     problems: list[str] = []
     base = INTERFACES.get(kind)
     for method, spec in interface_methods(kind).items():
-        expected = format_signature("reward" if method == "__call__" else method, spec)
+        expected = format_signature(kind if method == "__call__" else method, spec)
         target = built if method == "__call__" else getattr(built, method, None)
         if target is None or not callable(target):
             problems.append(f"missing method: {expected}")
@@ -127,7 +127,7 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
             for p in actual.parameters.values():
                 if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
                     problems.append(
-                        f"parameter '{p.name}' is positional-only, but rewards are called with keyword "
+                        f"parameter '{p.name}' is positional-only, but a {kind} is called with keyword "
                         f"arguments only: {expected}"
                     )
             continue

@@ -431,3 +431,23 @@ def test_single_turn_is_the_default_and_reports_no_env_metrics(tiny_long: dict, 
     del config["environment"]
     result = Engine(config, dataset=list(ROWS)).train()
     assert not any(k.startswith("env/") for k in result.metrics)
+
+
+def test_builtin_environments_register_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, builtin_environments; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_config_names_the_environment_and_validate_checks_its_params() -> None:
+    from grpo_plugins.config import ConfigError
+    from grpo_plugins.validation import validate_config
+
+    config = {"environment": {"name": "tool_calling", "params": {"tools": ["calculator"], "max_tool_calling_iterations": 3}}}
+    assert validate_config(config).environment.name == "tool_calling"
+    with pytest.raises(ConfigError, match=r"environment\.params\.max_tool_calls.*max_tool_calling_iterations"):
+        validate_config({"environment": {"name": "tool_calling", "params": {"max_tool_calls": 3}}})
+    with pytest.raises(ConfigError, match="unknown environment 'multi_turn'"):
+        validate_config({"environment": "multi_turn"})

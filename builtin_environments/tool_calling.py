@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpo_plugins.episodes import Episode, TurnBasedEnvironment
 from grpo_plugins.errors import GRPOPluginsError
@@ -54,6 +54,20 @@ class ToolCallingParams(BaseModel):
     )
     tools_prompt: str = Field(TOOLS_PROMPT, description="The system-message text with {tools}: one JSON schema per line.")
     max_workers: int = Field(8, ge=1, description="Tool calls run at once.")
+
+    @field_validator("tools")
+    @classmethod
+    def _registered(cls, names: list[str]) -> list[str]:
+        """Unknown tool names fail when the config is validated, before any model is loaded."""
+        from grpo_plugins.registry import get_registry
+
+        registry = get_registry()
+        for name in names:
+            try:
+                registry.get("tool", name)
+            except GRPOPluginsError as exc:
+                raise ValueError(str(exc)) from None
+        return names
 
 
 class ToolCalling(TurnBasedEnvironment):

@@ -449,5 +449,7 @@ def test_a_config_names_the_environment_and_validate_checks_its_params() -> None
     assert validate_config(config).environment.name == "tool_calling"
     with pytest.raises(ConfigError, match=r"environment\.params\.max_tool_calls.*max_tool_calling_iterations"):
         validate_config({"environment": {"name": "tool_calling", "params": {"max_tool_calls": 3}}})
+    with pytest.raises(ConfigError, match=r"environment\.params\.tools: unknown tool 'calculater'; did you mean 'calculator'"):
+        validate_config({"environment": {"name": "tool_calling", "params": {"tools": ["calculater"]}}})
     with pytest.raises(ConfigError, match="unknown environment 'multi_turn'"):
         validate_config({"environment": "multi_turn"})

@@ -25,6 +25,10 @@ B)
   ;;
 C)
   cp .gg2/* /root/gg/
+  echo "=== profile_decode 0.5B $(date +%T)"
+  OUT=$OUT/pd05 python3 bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager 2>&1 | grep -v -i "softmax\|warn\|^ *$" | tail -n 60
+  echo "=== profile_decode 7B LoRA $(date +%T)"
+  OUT=$OUT/pd7 python3 bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic 2>&1 | grep -v -i "softmax\|warn\|^ *$" | tail -n 20
   echo "=== check_vllm sync nosync $(date +%T)"
   python3 bench/check_vllm.py --out $OUT/check_vllm_sync.json --parts sync nosync --steps 50 2>&1 | tail -n 30
   ;;

@@ -11,19 +11,20 @@ model is prompted again. A turn without a tool call ends the episode.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
 import inspect
 import json
 import re
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from grpo_plugins.episodes import Episode, TurnBasedEnvironment
 from grpo_plugins.errors import GRPOPluginsError
+
+if TYPE_CHECKING:  # imported when used: `grpo-plugins validate` must start fast
+    import concurrent.futures as cf
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -117,6 +118,8 @@ class ToolCalling(TurnBasedEnvironment):
             schema["function"]["name"] = name
             self.schemas.append(schema)
         self._in_template = self._template_renders_tools() if self.params.tools_in == "auto" else self.params.tools_in == "template"
+        import concurrent.futures as cf
+
         self._pool = cf.ThreadPoolExecutor(self.params.max_workers, thread_name_prefix="grpo-tool")
 
     def _template_renders_tools(self) -> bool:
@@ -222,11 +225,15 @@ class ToolCalling(TurnBasedEnvironment):
             return f"Error: unknown tool '{name}'; the tools are: {', '.join(self.functions)}"
         assert self._pool is not None
         if inspect.iscoroutinefunction(fn):  # async tools, as TRL allows
+            import asyncio
+
             return self._pool.submit(lambda: asyncio.run(fn(**arguments)))
         return self._pool.submit(fn, **arguments)
 
     def _result(self, name: str, future: cf.Future[Any] | str, deadline: float) -> tuple[str, bool]:
         """The tool message's text, and whether the call failed."""
+        import concurrent.futures as cf
+
         if isinstance(future, str):
             return future, True
         try:

@@ -453,3 +453,25 @@ def test_a_config_names_the_environment_and_validate_checks_its_params() -> None
         validate_config({"environment": {"name": "tool_calling", "params": {"tools": ["calculater"]}}})
     with pytest.raises(ConfigError, match="unknown environment 'multi_turn'"):
         validate_config({"environment": "multi_turn"})
+
+
+def test_engine_takes_a_built_environment_with_unregistered_tool_functions(tiny_long: dict, tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def calculator(expression: str) -> str:
+        """My own calculator.
+
+        Args:
+            expression: What to compute.
+        """
+        calls.append(expression)
+        a, b = expression.split("*")
+        return str(int(a) * int(b))
+
+    env = ToolCalling(ToolCalling.Params(tools=[], tools_in="template"), functions=[calculator])
+    config = _config(tiny_long, tmp_path)
+    del config["environment"]
+    with registered_component("generator", Scripted, "scripted"):
+        result = Engine(config, dataset=list(ROWS), environment=env).train()
+    assert calls == ["123*456", "77*88"]
+    assert result.metrics["env/tool_calls"] == 0.5 and result.metrics["rewards/correct_answer/mean"] == 0.5

@@ -92,6 +92,10 @@ class LossInputs:
     num_items_in_batch: Tensor | None = None
     num_processes: int = 1
     gradient_accumulation_steps: int = 1
+    #: The rollout correction's weights ρ, (B, T) or (B, 1), detached, when the correction is on,
+    #: else None. The core multiplies them into the policy term unless the loss type says it
+    #: applies them itself (``applies_rollout_correction``).
+    rollout_weights: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,10 +137,13 @@ class LossType:
     * ``metrics`` returns per-token (B, T) or per-sequence (B, 1) values, each averaged over the
       active tokens (sequences) of the logged step; the default gives TRL's clip ratios.
 
-    A loss type that only changes normalisation overrides ``reduce`` alone.
+    A loss type that only changes normalisation overrides ``reduce`` alone. One that folds the
+    rollout correction into its own surrogate (VESPO) sets ``applies_rollout_correction = True``
+    and reads ``inputs.rollout_weights``; the core then does not multiply them in.
     """
 
     Params: ClassVar[type[BaseModel] | None] = None
+    applies_rollout_correction: ClassVar[bool] = False
 
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
         return clipped_surrogate(inputs)

@@ -197,7 +197,7 @@ class GRPOConfig(_Strict):
     per_device_train_batch_size: int = Field(8, ge=1, description="Completions per process per micro-step (alias train_batch_size).")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer update (alias gradient_accumulation).")
     steps_per_generation: int | None = Field(None, ge=1, description="Micro-steps per generation; None: gradient_accumulation_steps.")
-    generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation).")
+    generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation; both may be given when they agree, as TRL's GRPOConfig fills in both).")
     num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
     shuffle_dataset: bool = Field(True, description="Shuffle the prompts (a fresh seeded order each epoch); false: dataset order.")
@@ -374,10 +374,14 @@ CONFIG_SECTIONS: dict[str, str] = {
 
 # -- loading: YAML, --set overrides, readable errors -------------------------------------------
 
+#: The seed's aliases of two fields (see ``GRPOConfig._aliases``).
+SEED_ALIASES = ("train_batch_size", "gradient_accumulation")
+
+
 def _accepted_aliases() -> tuple[str, ...]:
     from grpo_plugins.trl_compat import TRL_KEYS
 
-    return ("train_batch_size", "gradient_accumulation", *(k for k in TRL_KEYS if k not in GRPOConfig.model_fields))
+    return (*SEED_ALIASES, *(k for k in TRL_KEYS if k not in GRPOConfig.model_fields))
 
 
 #: Top-level keys accepted besides the field names (see ``GRPOConfig._aliases``): two seed

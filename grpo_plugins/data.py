@@ -270,6 +270,7 @@ def encode_prompts(
     *,
     max_prompt_length: int | None,
     truncation: Literal["error", "left"] = "error",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt.
 
@@ -290,7 +291,9 @@ def encode_prompts(
                     "prompts are chat messages but the tokenizer has no chat template; use a "
                     "tokenizer with one (model.tokenizer) or plain-text prompts"
                 )
-            text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                list(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise DataError(f"prompt {index} is empty after tokenization")

@@ -210,6 +210,9 @@ class SamplingSettings:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: ``generation_kwargs``: more arguments for the backend's own sampling API (a backend that
+    #: supports them sets ``accepts_generation_kwargs = True``).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -234,6 +237,8 @@ class Generator:
     #: True when it samples with the trained model itself, so no sampler/trainer mismatch
     #: correction is needed (``vllm_importance_sampling_correction: auto`` stays off).
     samples_from_policy: ClassVar[bool] = True
+    #: True when it passes ``SamplingSettings.extra`` (``generation_kwargs``) to its sampler.
+    accepts_generation_kwargs: ClassVar[bool] = False
     #: The run's registry, set by the engine before ``setup``: a backend that builds another
     #: generator (a fallback) builds it from there, so ``disable_plugins`` applies to it too.
     registry: Any = None

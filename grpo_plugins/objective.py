@@ -403,14 +403,13 @@ def compute_loss(
     per_token = per_token.expand_as(mask)  # (B, T)
     loss = loss_type.reduce(per_token, inputs)
     bonus = None
-    if entropy_coef != 0.0:
-        assert entropies is not None
+    if entropies is not None:
         # The mean entropy over the tokens the policy term acts on, whatever the loss type's
         # normalisation (TRL's definition), scaled only for gradient accumulation.
         bonus_mask = mask if entropy_mask is None else mask * entropy_mask  # (B, T)
-        ent = clean(entropies)
-        bonus = ((ent * bonus_mask).sum(), bonus_mask.sum())
-        loss = loss - entropy_coef * bonus[0] / bonus[1].clamp(min=1.0) / gradient_accumulation_steps
+        bonus = ((clean(entropies) * bonus_mask).sum(), bonus_mask.sum())
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * bonus[0] / bonus[1].clamp(min=1.0) / gradient_accumulation_steps
     return loss, _metrics(loss_type, inputs, kl, correction, bonus)
 
 

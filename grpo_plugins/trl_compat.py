@@ -185,6 +185,30 @@ def _is_cap(value: Any, data: Mapping[str, Any]) -> Translation:
     return {"vllm_importance_sampling_cap": value}, None
 
 
+#: generation_kwargs that are top-level keys here: moved there (TRL: they override those keys),
+#: so the recorded sampling log-probs and the loss know the distribution that was sampled.
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_tokens": "max_completion_length",
+                  "max_new_tokens": "max_completion_length"}
+
+
+def _generation_kwargs(value: Any, data: Mapping[str, Any]) -> Translation:
+    if not value:
+        return {"generation_kwargs": None}, None
+    if isinstance(value, str):
+        value = json.loads(value)
+    kwargs = dict(value)
+    updates: dict[str, Any] = {}
+    for key, field in _SAMPLING_KEYS.items():
+        if key in kwargs:
+            updates[field] = kwargs.pop(key)
+            if field == "top_k" and updates[field] in (0, -1):
+                updates[field] = None
+    updates["generation_kwargs"] = kwargs or None
+    moved = {k: v for k, v in updates.items() if k != "generation_kwargs"}
+    return updates, (", ".join(f"{k}: {v!r}" for k, v in moved.items()) + " (moved out of generation_kwargs)") if moved else None
+
+
 def _top_k(value: Any, data: Mapping[str, Any]) -> Translation:
     if value == 0:
         return {"top_k": None}, None  # TRL's 0 means off, as null does here
@@ -323,7 +347,7 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("top_p", _G, "same", "`top_p`", 1.0),
         _key("top_k", _G, "same", "`top_k` (TRL's 0 = off = null here)", 0, translate=_top_k),
         _key("min_p", _G, "same", "`min_p`", None),
-        _key("generation_kwargs", _G, "same", "`generation_kwargs` (transformers and vllm generators)", None),
+        _key("generation_kwargs", _G, "same", "`generation_kwargs` (transformers and vllm generators; temperature, top_p, top_k, min_p, repetition_penalty, max_tokens move to their own keys)", None, translate=_generation_kwargs),
         _key("chat_template_kwargs", _G, "same", "`chat_template_kwargs`", None),
         _key("repetition_penalty", _G, "same", "`repetition_penalty`", 1.0),
         _key("cache_implementation", _G, "not_applicable", "use `generator: static` (a static KV cache in a CUDA graph, the default on CUDA)", None, noop=_is(None)),

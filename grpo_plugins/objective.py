@@ -244,11 +244,15 @@ def high_entropy_mask(entropies: Tensor, mask: Tensor, quantile: float, pool: Te
     (1 - quantile) quantile of the active tokens' entropies (of ``pool`` when given: the
     entropies of every process), else 0. (B, T) float."""
     active = mask != 0
-    values = entropies.detach()[active].float() if pool is None else pool.detach().float()
+    ent = entropies.detach()
+    values = ent[active] if pool is None else pool.detach().to(ent.dtype)
     if values.numel() == 0:
         return torch.zeros_like(mask)
+    # In the entropies' own dtype (TRL casts to float32 first, which can round the threshold
+    # above the top token in a float64 run).
+    values = values if values.dtype in (torch.float32, torch.float64) else values.float()
     threshold = torch.quantile(values, 1.0 - quantile)
-    keep = (entropies.detach() * mask).float() >= threshold
+    keep = ent * mask >= threshold
     return (keep & active).to(mask.dtype)
 
 

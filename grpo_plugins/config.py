@@ -242,7 +242,7 @@ class GRPOConfig(_Strict):
     )
     log_completions: bool = Field(False, description="Write sampled completions to completions.jsonl.")
     num_completions_to_print: int | None = Field(
-        None, ge=0, description="With log_completions: also print this many completions (prompt, completion, rewards) at each logged step; None: none printed."
+        None, ge=0, description="With log_completions: also print this many completions (prompt, completion, rewards, advantage) of each generation batch on stderr; None: none printed (TRL: all)."
     )
     log_unique_prompts: bool = Field(False, description="With log_completions: print one completion per prompt only.")
     on_nonfinite: Literal["skip", "stop"] = Field("stop", description="A NaN/inf reward, advantage, loss or gradient: skip that optimizer step, or stop naming the step and the component (docs/failures.md).")

@@ -388,7 +388,7 @@ class RolloutMaker:
         records = gather_object(records) if self.accelerator.num_processes > 1 else records
         writer.log_completions(step_number, records)
         cfg = self.config
-        if cfg.num_completions_to_print and self.accelerator.is_main_process and step_number % cfg.logging_steps in (0, 1 % cfg.logging_steps):
+        if cfg.num_completions_to_print and self.accelerator.is_main_process:
             print_completions(records, cfg.num_completions_to_print, unique_prompts=cfg.log_unique_prompts, step=step_number)
 
 

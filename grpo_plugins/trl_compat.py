@@ -45,7 +45,8 @@ class TrlKey:
 
     Attributes:
         name: the key as TRL spells it.
-        source: ``GRPOConfig`` (TRL's own) or ``TrainingArguments`` (transformers').
+        source: ``GRPOConfig`` (TRL's own), ``TrainingArguments`` (transformers') or
+            ``GRPOTrainer`` (an argument of TRL's trainer that users look for in the config).
         status: ``same``, ``translated``, ``not_applicable`` or ``not_yet``.
         here: the docs column "here": where it goes or what to use instead.
         default: TRL 1.16's default (documentation; ``_UNSET`` for none).
@@ -55,7 +56,7 @@ class TrlKey:
     """
 
     name: str
-    source: Literal["GRPOConfig", "TrainingArguments"]
+    source: Literal["GRPOConfig", "TrainingArguments", "GRPOTrainer"]
     status: Status
     here: str
     default: Any = _UNSET
@@ -314,10 +315,10 @@ def _logging_dir(value: Any, data: Mapping[str, Any]) -> Translation:
 
 # -- the table ---------------------------------------------------------------------------------
 
-_G, _T = "GRPOConfig", "TrainingArguments"
+_G, _T, _TR = "GRPOConfig", "TrainingArguments", "GRPOTrainer"
 _EVAL = "not supported yet in this version (evaluation is being added): train without evaluation and evaluate the saved checkpoint"
 _TOOLS = "not supported yet in this version (tool environments are being added): train without tool calls"
-_HUB = "no model hub here: checkpoints and completions stay in output_dir"
+_HUB = "there is no model hub here: checkpoints and completions stay in output_dir"
 
 
 def _key(name: str, source: str, status: Status, here: str, default: Any = _UNSET, **kw: Any) -> TrlKey:
@@ -394,6 +395,7 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("entropy_coef_delta", _G, "same", "`entropy_coef_delta`", 0.005),
         _key("entropy_target", _G, "same", "`entropy_target`", 0.2),
         _key("max_tool_calling_iterations", _G, "not_yet", _TOOLS, None, noop=_is(None)),
+        _key("tools", _TR, "not_yet", _TOOLS, None, noop=_falsy),
         _key("vllm_importance_sampling_correction", _G, "same", "`vllm_importance_sampling_correction` (TRL corrects only with vLLM; here `true` corrects with any generator, `auto` (default) is TRL's behaviour)", True),
         _key("vllm_importance_sampling_mode", _G, "translated", "`rollout_correction` (same four names)", "sequence_mask", translate=_is_mode),
         _key("vllm_importance_sampling_clip_max", _G, "translated", "`vllm_importance_sampling_cap`", 3.0, translate=_is_clip_max),
@@ -481,7 +483,7 @@ def translate_trl_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
         if entry.status in ("not_applicable", "not_yet"):
             assert entry.noop is not None
             if not entry.noop(value):
-                what = "cannot apply here: " if entry.status == "not_applicable" else ""
+                what = "cannot apply here: " if entry.status == "not_applicable" else "is "
                 raise FieldError(name, f"TRL's {name}={value!r} {what}{entry.here}")
             out.pop(name)
             continue
@@ -576,7 +578,7 @@ def trl_table_markdown() -> str:
         "| TRL key | from | TRL default | status | here |",
         "|---|---|---|---|---|",
     ]
-    for source in ("GRPOConfig", "TrainingArguments"):
+    for source in ("GRPOConfig", "TrainingArguments", "GRPOTrainer"):
         for k in TRL_KEYS.values():
             if k.source == source:
                 here = k.here.replace("|", "\\|")

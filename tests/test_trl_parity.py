@@ -137,6 +137,7 @@ def test_training_arguments_keys():
 @pytest.mark.parametrize(("data", "key", "says"), [
     ({"log_completions_hub_repo": "me/completions"}, "log_completions_hub_repo", "completions.jsonl"),
     ({"push_to_hub": True}, "push_to_hub", "no model hub"),
+    ({"tools": ["my_pkg.tools:search"]}, "tools", "not supported yet in this version"),
     ({"ds3_gather_for_generation": False}, "ds3_gather_for_generation", "DeepSpeed ZeRO-3"),
     ({"eval_strategy": "steps"}, "eval_strategy", "not supported yet in this version"),
     ({"num_generations_eval": 4}, "num_generations_eval", "not supported yet in this version"),

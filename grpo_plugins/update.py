@@ -22,7 +22,7 @@ from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.compiled_layers import compile_stats
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
-from grpo_plugins.objective import LossMetrics
+from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics
 from grpo_plugins.precision import MasterWeights
 from grpo_plugins.rollout import Policy, Rollout, trim_padding
 
@@ -239,11 +239,8 @@ class PolicyUpdate:
             self.master.zero_grad()
 
         merged = LossMetrics.merge(window.metrics).all_reduce(acc)
-        from grpo_plugins.objective import BONUS_ENTROPY
-
-        if self.entropy.enabled:
-            if BONUS_ENTROPY in merged.mean_names:
-                self.entropy.update(float(merged[BONUS_ENTROPY]))
+        if self.entropy.enabled and BONUS_ENTROPY in merged.mean_names:
+            self.entropy.update(float(merged[BONUS_ENTROPY]))  # the window's entropy, all processes
         counts = torch.stack([torch.as_tensor(window.entropy_sum), torch.as_tensor(window.entropy_count)])
         entropy = acc.reduce(counts.to(acc.device).double(), reduction="sum")
         record: dict[str, float] = dict(rollout.metrics)

@@ -6,8 +6,9 @@ inside the captured step; grouped-query attention reads the cache without repeat
 generation stops early once every row has finished (checked every ``check_every`` steps). Batch
 and prompt length are padded to buckets, so a run compiles and captures once per bucket.
 
-It samples with the trained model's own modules (LoRA adapters included), so it needs no weight
-sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
+It samples with the trained model's own weights, read in place or, for LoRA models, from a
+copy with the adapters merged that is refreshed before each generation (equal up to one rounding
+to the model's dtype), so it needs no weight sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
 or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests).
 """
@@ -44,6 +45,10 @@ class StaticCacheGenerator(Generator):
             description="Free the KV cache and graph after each generation (less memory while training; re-captures each time).",
         )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
+        merge_weights: bool | None = Field(
+            None,
+            description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases); false reads the model's own modules.",
+        )
 
     samples_from_policy = True
 
@@ -79,6 +84,7 @@ class StaticCacheGenerator(Generator):
                 stop_at_eos=not self.params.ignore_eos,
                 max_graphs=self.params.max_graphs,
                 release_cache=self.params.release_cache,
+                merge_weights=self.params.merge_weights,
             )
         except UnsupportedModelError as exc:
             if not self.params.fallback:

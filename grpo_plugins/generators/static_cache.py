@@ -27,6 +27,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def decode_flags(params: StaticCacheGenerator.Params, on_cuda: bool, quantized: bool) -> tuple[bool, bool]:
+    """(compile, cuda_graph) for the decode step. Both need CUDA. A bitsandbytes-quantised base
+    (``load_in_4bit``/``load_in_8bit``) is not compiled unless ``compile`` is set explicitly:
+    its layers dequantise inside bitsandbytes' own kernels, which torch.compile does not fuse.
+    The step is still captured in a CUDA graph (a capture that fails falls back to eager
+    decoding, with a warning)."""
+    compile_step = params.compile and on_cuda
+    if on_cuda and quantized and "compile" not in params.model_fields_set:
+        logger.info(
+            "generator 'static': the base model is quantised (bitsandbytes), so the decode step runs "
+            "its layers uncompiled%s (set the generator's compile param to true to compile it)",
+            " in a CUDA graph" if params.cuda_graph else "",
+        )
+        compile_step = False
+    return compile_step, params.cuda_graph and on_cuda
+
+
 class StaticCacheGenerator(Generator):
     """Static-KV-cache generation with a compiled, CUDA-graph-captured decode step."""
 
@@ -59,6 +76,7 @@ class StaticCacheGenerator(Generator):
         from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError
         from grpo_plugins.generators.common import eos_token_ids, unwrap_model
         from grpo_plugins.models import prepare_tokenizer
+        from grpo_plugins.quantization import is_quantized
 
         super().setup(model, tokenizer, sampling)
         if tokenizer.pad_token_id is None:
@@ -67,13 +85,14 @@ class StaticCacheGenerator(Generator):
         try:
             inner = unwrap_model(model)
             on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
+            compile_step, cuda_graph = decode_flags(self.params, on_cuda, is_quantized(inner))
             self._decoder = StaticDecoder(
                 inner,
                 sampling,
                 eos_token_ids(inner, tokenizer),
                 int(tokenizer.pad_token_id),
-                compile=self.params.compile and on_cuda,
-                cuda_graph=self.params.cuda_graph and on_cuda,
+                compile=compile_step,
+                cuda_graph=cuda_graph,
                 prompt_multiple=self.params.prompt_multiple,
                 check_every=self.params.check_every,
                 stop_at_eos=not self.params.ignore_eos,

@@ -16,6 +16,7 @@ positions under a validity mask, which is what lets one captured graph serve eve
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import base_model, cut_at_eos
 from grpo_plugins.kinds import SamplingSettings
+
+logger = logging.getLogger(__name__)
 
 #: model_type values whose decoder layers this loop reproduces exactly.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -455,9 +458,17 @@ class StaticDecoder:
             st.cur.zero_()
             st.step.zero_()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(*args)
-            entry = _Graph(st, graph.replay)
+            try:
+                with torch.cuda.graph(graph):
+                    step(*args)
+                entry = _Graph(st, graph.replay)
+            except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
+                logger.warning(
+                    "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
+                    "without a graph from now on", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+                self.cuda_graph = False
+                entry = _Graph(st, lambda: step(*args))
         else:
             entry = _Graph(st, lambda: step(*args))
         self._graphs[key] = entry

@@ -1,7 +1,7 @@
 """Where a GRPO step's GPU memory goes, phase by phase, for each memory setting (issue 20).
 
-    python bench/profile_memory.py --shape qwen2.5-0.5b --lora 16 --tokens 256 --rows 64 \\
-        --steps 4 --warmup 1 --variants default offload chunk16 release all --out $OUT/mem_0.5b.json
+    python bench/profile_memory.py --shape smol-vocab-0.4b --lora 16 --tokens 256 --rows 64 \\
+        --steps 3 --warmup 1 --variants default offload release logprob256 all --out $OUT/mem_0.5b.json
 
 Runs this project's Engine on bench_grpo.py's workload (random-initialised model of ``--shape``,
 SmolLM2 tokenizer, 8 generations per prompt, ``--rows`` completions per step in one micro-batch,
@@ -450,7 +450,10 @@ def table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen2.5-0.5b", help="model shape: " + ", ".join(_common.SHAPES))
+    parser.add_argument(
+        "--shape", default="smol-vocab-0.4b",
+        help="model shape (default: Qwen2-0.5B's with SmolLM2's vocabulary, issue 20's): " + ", ".join(_common.SHAPES),
+    )
     parser.add_argument("--lora", type=int, default=16, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--tokens", type=int, default=256, help="completion tokens (sampled to the full length)")
     parser.add_argument("--rows", type=int, default=64, help="completions per step (one micro-batch)")

@@ -31,25 +31,33 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids, mask, 5
 
 
-def _loss_and_grads(tiny_model: dict, lora: dict | None, offload: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+#: Offloading moves device tensors to pinned host memory: checked on a GPU where there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _loss_and_grads(
+    tiny_model: dict, lora: dict | None, offload: bool, device: str = "cpu"
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model, _ = load_model(
-        tiny_model, dtype="float32", seed=0, lora=lora, gradient_checkpointing=True, activation_offload=offload
+        tiny_model, dtype="float32", seed=0, lora=lora, gradient_checkpointing=True, activation_offload=offload,
+        device=device,
     )
     model.train()
-    ids, mask, T = _batch()
+    ids, mask, T = (x.to(device) if isinstance(x, torch.Tensor) else x for x in _batch())
     logps, _ = completion_logps(model, ids, mask, T)  # (2, 5)
-    weights = torch.linspace(-1.0, 1.0, 10).reshape(2, 5)
+    weights = torch.linspace(-1.0, 1.0, 10, device=device).reshape(2, 5)
     loss = (logps * weights).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lora", [None, {"r": 4, "lora_alpha": 8}], ids=["full", "lora"])
-def test_offloaded_checkpointing_gives_the_same_loss_and_gradients(tiny_model: dict, lora: dict | None) -> None:
-    plain_loss, plain_grads = _loss_and_grads(tiny_model, lora, offload=False)
+def test_offloaded_checkpointing_gives_the_same_loss_and_gradients(tiny_model: dict, lora: dict | None, device: str) -> None:
+    plain_loss, plain_grads = _loss_and_grads(tiny_model, lora, offload=False, device=device)
     before = OffloadActivations.packed
-    offloaded_loss, offloaded_grads = _loss_and_grads(tiny_model, lora, offload=True)
+    offloaded_loss, offloaded_grads = _loss_and_grads(tiny_model, lora, offload=True, device=device)
     # One hidden-state input per checkpointed layer (2 layers) went through the CPU copy; the
     # shared mask and rotary tables (no grad) were not copied.
     assert OffloadActivations.packed - before == 2

@@ -35,7 +35,7 @@ def test_cpu_dry_run_records_phases_and_exact_byte_counts(profile_memory, tmp_pa
     assert phases == {"generate", "reward", "ref_logps", "train", "optimizer"}
     assert {c["step"] for c in run["calls"] if c["phase"] == "train"} == {1, 2}
     assert set(run["phases"]) == phases  # the measured step (2) has every phase
-    assert (tmp_path / "prof" / "profile_qwen2.5-0.5b_default_train_step2.txt").is_file()
+    assert (tmp_path / "prof" / "profile_smol-vocab-0.4b_default_train_step2.txt").is_file()
 
     # The tiny shape (bench/_common.py, TINY): hidden 64, 2 layers, 4 heads (dim 16) with 2 KV
     # heads, MLP 128, LoRA r=16 on q, k, v, o, gate, up, down: r * (in + out) each.

@@ -9,7 +9,8 @@ and prompt length are padded to buckets, so a run compiles and captures once per
 It samples with the trained model's own modules (LoRA adapters included), so it needs no weight
 sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
-or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests).
+or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests). On a
+bitsandbytes-quantised base the step is not compiled unless asked (see :func:`decode_flags`).
 """
 
 from __future__ import annotations

@@ -254,6 +254,13 @@ class GRPOConfig(_Strict):
             raise FieldError(
                 key, f"{key} quantises the frozen base, which only LoRA can train: add lora: {{r: 16}} (QLoRA)"
             )
+        generator = component_ref(self.resolved_generator)
+        if self.quantization_bits is not None and generator is not None and generator.name.rsplit(":", 1)[-1] == "vllm":
+            raise FieldError(
+                "load_in_4bit" if self.load_in_4bit else "load_in_8bit",
+                "the vllm generator cannot take weights from a bitsandbytes-quantised base yet; "
+                "set fast_inference: false (the static generator samples from the quantised model itself)",
+            )
         return self
 
     @property

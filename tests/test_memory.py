@@ -129,6 +129,8 @@ def test_quantisation_settings_are_validated() -> None:
     assert load_config({"load_in_8bit": True, "lora": {"r": 8}}).quantization_bits == 8
     assert load_config({"model": {"name_or_path": "x", "load_in_4bit": True}, "lora": {"r": 8}}).quantization_bits == 4
     assert GRPOConfig().quantization_bits is None
+    with pytest.raises(GRPOPluginsError, match="vllm generator cannot take weights from a bitsandbytes"):
+        load_config({"load_in_4bit": True, "lora": {"r": 8}, "fast_inference": True})
 
 
 def test_validate_names_the_missing_bitsandbytes(tiny_model: dict, monkeypatch: pytest.MonkeyPatch) -> None:

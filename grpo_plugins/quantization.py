@@ -150,25 +150,25 @@ def quantize_model(model: Any, bits: int, compute_dtype: Any, device: Any) -> An
     if is_quantized(model):
         logger.info("%s: the model is quantised already; kept as it is", _setting(bits))
         return model
+    # Names only: holding the modules would keep every 16-bit weight alive until the end.
     targets = [
-        (name, module)
+        name
         for name, module in model.named_modules()
         if type(module) is torch.nn.Linear and name.rsplit(".", 1)[-1] not in SKIP_MODULES
     ]
     if not targets:
         raise QuantizationError(f"{_setting(bits)}: the model has no linear layers to quantise")
-    for name, linear in targets:
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         try:
-            setattr(parent, child, _replacement(linear, bits, compute_dtype, device, bnb))
+            setattr(parent, child, _replacement(getattr(parent, child), bits, compute_dtype, device, bnb))
         except (RuntimeError, NotImplementedError, ValueError, AttributeError) as exc:
             where = "a CPU" if device.type == "cpu" else f"device {device}"
             raise QuantizationError(
                 f"{_setting(bits)}: bitsandbytes cannot quantise on {where} here ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}); train on a CUDA GPU, or drop {_setting(bits)}"
             ) from exc
-        del linear
     model.to(device)
     model.requires_grad_(False)
     setattr(model, f"is_loaded_in_{bits}bit", True)

@@ -4,6 +4,7 @@ run's frozen base (no gradients, no optimizer state, no float32 copies), and QLo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,14 @@ from grpo_plugins.models import load_model
 from grpo_plugins.offload import OffloadActivations
 
 PROMPTS = [{"prompt": p} for p in ["ab", "cd", "ef", "gh"]]
+
+
+@pytest.fixture(autouse=True)
+def _eager() -> Iterator[None]:
+    """bitsandbytes' CPU backend torch.compiles its dequantisation once per weight shape (13 s
+    here); nothing in these tests needs compiling, so compiled functions run eagerly."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 def char_sum(completions: list[Any], **kwargs: Any) -> list[float]:

@@ -75,11 +75,11 @@ M)  # issue 20, memory per phase (carry .whl .benchdata; .whl must also hold the
   python3 -c "import bitsandbytes, grpo_plugins; print('bitsandbytes', bitsandbytes.__version__)"
   mkdir -p $OUT/mem
   echo "=== 0.4B LoRA r16 64x256 $(date +%T)"
-  timeout 230 python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \
-    --variants default offload release logprob256 all --torch-profile $OUT/mem/prof \
+  timeout 170 python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \
+    --variants default offload release all --torch-profile $OUT/mem/prof \
     --out $OUT/mem/mem_0.4b.json 2>&1 | grep -v '^step ' | tail -n 60
-  echo "=== 7B LoRA / QLoRA r16 16x8192 $(date +%T)"
-  timeout 300 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
+  echo "=== 7B LoRA / QLoRA r16 16x8192 $(date +%T)"  # estimated 2.5-3 min per variant (not yet run)
+  timeout 360 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
     --warmup 0 --variants long qlora-long --out $OUT/mem/mem_7b.json 2>&1 | grep -v '^step ' | tail -n 30
   ;;
 esac

@@ -1,7 +1,7 @@
 """Where a GRPO step's GPU memory goes, phase by phase, for each memory setting (issue 20).
 
     python bench/profile_memory.py --shape smol-vocab-0.4b --lora 16 --tokens 256 --rows 64 \\
-        --steps 3 --warmup 1 --variants default offload release logprob256 all --out $OUT/mem_0.5b.json
+        --steps 3 --warmup 1 --variants default offload release all --out $OUT/mem_0.4b.json
 
 Runs this project's Engine on bench_grpo.py's workload (random-initialised model of ``--shape``,
 SmolLM2 tokenizer, 8 generations per prompt, ``--rows`` completions per step in one micro-batch,

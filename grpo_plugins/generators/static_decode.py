@@ -607,9 +607,17 @@ class StaticDecoder:
             st.cur.zero_()
             st.step.zero_()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(*args)
-            entry = _Graph(st, graph.replay)
+            try:
+                with torch.cuda.graph(graph):
+                    step(*args)
+                entry = _Graph(st, graph.replay)
+            except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
+                logger.warning(
+                    "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
+                    "without a graph from now on", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+                self.cuda_graph = False
+                entry = _Graph(st, lambda: step(*args))
         else:
             entry = _Graph(st, lambda: step(*args))
         self._graphs[key] = entry

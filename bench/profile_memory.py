@@ -59,6 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunk1": {"train_chunk_rows": 1},
     "release": {"generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}}},
     "logprob256": {"logprob_chunk_size": 256},
+    "nomerge": {"generator": {"name": "static", "params": {"ignore_eos": True, "merge_weights": False}}},
     "all": {
         "activation_offload": True, "train_chunk_rows": 16, "logprob_chunk_size": 256,
         "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}},

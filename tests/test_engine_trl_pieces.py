@@ -188,3 +188,13 @@ def test_a_synced_reference_resumes_exactly(tiny_model: dict, tmp_path: Path):
     w = whole.ref_model.state_dict()
     for name, p in resumed.ref_model.state_dict().items():
         torch.testing.assert_close(p, w[name], rtol=0, atol=0)
+
+
+def test_model_init_kwargs_reach_from_pretrained(tiny_model: dict, tmp_path: Path):
+    model, tok = load_model(tiny_model, dtype="float32", seed=0)
+    model.save_pretrained(tmp_path / "saved")
+    tok.save_pretrained(tmp_path / "saved")
+    config = load_config({"model": str(tmp_path / "saved"), "model_init_kwargs": {"output_attentions": True, "dtype": "float32"}})
+    assert config.model.init_kwargs == {"output_attentions": True}
+    loaded, _ = load_model(config.model, dtype=config.dtype)
+    assert loaded.config.output_attentions is True

@@ -56,11 +56,11 @@ class _Mask(_Bounded):
 
 
 class TokenTruncate(_Truncate):
-    """Per-token ratio truncated at the cap: min(ρ_t, C) (the default)."""
+    """Per-token ratio truncated at the cap: min(ρ_t, C), and at clip_min from below (the default)."""
 
 
 class TokenMask(_Mask):
-    """Per-token ratio, 0 for tokens whose ratio exceeds the cap."""
+    """Per-token ratio, 0 for tokens whose ratio exceeds the cap (or falls below clip_min)."""
 
 
 class SequenceTruncate(_Truncate):
@@ -70,6 +70,6 @@ class SequenceTruncate(_Truncate):
 
 
 class SequenceMask(_Mask):
-    """Per-sequence ratio, 0 for sequences whose ratio exceeds the cap."""
+    """Per-sequence ratio, 0 for sequences whose ratio exceeds the cap (or falls below clip_min)."""
 
     per_sequence = True

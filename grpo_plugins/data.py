@@ -215,7 +215,7 @@ def prepare_dataset(
         raise TrainingError("the dataset is empty")
     check_prompt_lengths(
         tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
-        encode=encode,
+        chat_template_kwargs=config.chat_template_kwargs, encode=encode,
     )
     return dataset, task, column
 
@@ -227,6 +227,7 @@ def check_prompt_lengths(
     max_prompt_length: int | None,
     truncation: str,
     limit: int = PROMPT_CHECK_LIMIT,
+    chat_template_kwargs: dict[str, Any] | None = None,
     encode: Callable[[list[Any]], list[list[int]]] | None = None,
 ) -> None:
     """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
@@ -243,7 +244,9 @@ def check_prompt_lengths(
             if encode is not None:
                 encoded = encode(batch)
             else:
-                encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
+                encoded = encode_prompts(
+                    tokenizer, batch, max_prompt_length=None, truncation="error", chat_template_kwargs=chat_template_kwargs
+                )
         except DataError:
             _raise_with_row(tokenizer, batch, start)
             raise

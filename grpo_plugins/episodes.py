@@ -134,8 +134,12 @@ class TurnBasedEnvironment(Environment):
         return "".join(parts)
 
     def chat_template_kwargs(self) -> dict[str, Any]:
-        """Extra arguments of the chat template (e.g. ``tools=``), for prompts and replies."""
+        """Extra arguments of the chat template (e.g. ``tools=``), for prompts and replies; the
+        config's ``chat_template_kwargs`` are added to them."""
         return {}
+
+    def _template_kwargs(self) -> dict[str, Any]:
+        return {**self.settings.chat_template_kwargs, **self.chat_template_kwargs()}
 
     # -- the driver ---------------------------------------------------------------------------
 
@@ -144,14 +148,14 @@ class TurnBasedEnvironment(Environment):
 
         return encode_prompts(
             self.tokenizer, prompts, max_prompt_length=max_prompt_length, truncation=truncation,  # type: ignore[arg-type]
-            chat_template_kwargs=self.chat_template_kwargs(),
+            chat_template_kwargs=self._template_kwargs(),
         )
 
     def reply_ids(self, episode: Episode, reply: list[dict[str, Any]], turn_ids: list[int]) -> list[int]:
         """The tokens of the environment's ``reply`` after a turn of ``turn_ids``."""
         if isinstance(episode.prompt, str):
             return list(self.tokenizer(self.render_text(reply), add_special_tokens=False)["input_ids"])
-        return chat_reply_ids(self.tokenizer, reply, turn_ids, self.settings.eos_token_ids, **self.chat_template_kwargs())
+        return chat_reply_ids(self.tokenizer, reply, turn_ids, self.settings.eos_token_ids, **self._template_kwargs())
 
     def run(self, prompts: list[Any], prompt_ids: list[list[int]], columns: dict[str, list[Any]]) -> Episodes:
         episodes = [
@@ -275,6 +279,7 @@ def build_environment(config: Any, registry: Any, generator: Any, tokenizer: Any
             max_completion_length=config.max_completion_length,
             pad_token_id=int(tokenizer.pad_token_id),
             eos_token_ids=eos_token_ids(getattr(generator, "model", None), tokenizer),
+            chat_template_kwargs=dict(config.chat_template_kwargs or {}),
         ),
     )
     return environment

@@ -475,3 +475,23 @@ def test_engine_takes_a_built_environment_with_unregistered_tool_functions(tiny_
         result = Engine(config, dataset=list(ROWS), environment=env).train()
     assert calls == ["123*456", "77*88"]
     assert result.metrics["env/tool_calls"] == 0.5 and result.metrics["rewards/correct_answer/mean"] == 0.5
+
+
+def test_the_configs_chat_template_kwargs_reach_prompts_and_replies(tokenizer: Any) -> None:
+    from grpo_plugins.config import GRPOConfig
+    from grpo_plugins.episodes import build_environment
+
+    tokenizer.chat_template = "{% if mood %}[{{ mood }}]{% endif %}" + tokenizer.chat_template
+    config = GRPOConfig(
+        environment={"name": "tool_calling", "params": {"tools_in": "template"}},
+        chat_template_kwargs={"mood": "calm"}, max_completion_length=200,
+    )
+    generator = scripted_setup(ScriptedGenerator(Policy()), tokenizer, 200)
+    env = build_environment(config, get_registry(), generator, tokenizer)
+    prompts = [ROWS[0]["prompt"]]
+    ids = env.encode_prompts(prompts, None, "error")
+    assert tokenizer.decode(ids[0]).startswith("[calm]<|user|>")
+    out = env.run(prompts, ids, {})
+    # The reply is rendered with the same arguments (the template's prefix is not repeated).
+    assert decode_where(tokenizer, out.completion_ids[0], out.completion_mask[0] - out.model_mask[0]) == TOOL_REPLY.format(result=56088)
+    env.close()

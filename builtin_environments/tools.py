@@ -8,6 +8,7 @@ tools: the docstring's first line and ``Args:`` become the JSON schema the model
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from fractions import Fraction
 
@@ -89,12 +90,13 @@ def python(code: str) -> str:
     from builtin_rewards.sandbox import SandboxLimits, run_python
 
     limits = SandboxLimits(
-        timeout=PYTHON_TIMEOUT_S, cpu_seconds=int(PYTHON_TIMEOUT_S), memory_mb=PYTHON_MEMORY_MB,
+        timeout=PYTHON_TIMEOUT_S, cpu_seconds=math.ceil(PYTHON_TIMEOUT_S), memory_mb=PYTHON_MEMORY_MB,
         max_output_bytes=PYTHON_MAX_OUTPUT_CHARS * 4,
     )
     result = run_python(code, limits=limits)
     out = result.stdout
-    if result.timed_out:
+    # Killed at the wall clock, or by the CPU-time limit (SIGKILL / SIGXCPU): either is the time limit.
+    if result.timed_out or result.returncode in (128 + 9, 128 + 24, -9, -24):
         out += f"\nError: the program was stopped after {PYTHON_TIMEOUT_S:g} seconds"
     elif result.returncode != 0:
         err = result.stderr.strip().splitlines()

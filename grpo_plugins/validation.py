@@ -128,9 +128,10 @@ def check_config(
     _check_data(check)
     _check_reward_columns(check)
     try:
-        check.plan = plan_from_config(config, num_processes)
+        check.plan = plan_from_config(config, num_processes, registry)
     except BatchPlanError as exc:
-        check.problems.append((exc.field, str(exc)))
+        if (exc.field, str(exc)) not in check.problems:  # an unknown group_filter is reported once
+            check.problems.append((exc.field, str(exc)))
     _warn_questionable(config)
     return check
 

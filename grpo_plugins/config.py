@@ -161,9 +161,9 @@ class GRPOConfig(_Strict):
     generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation).")
     num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
-    group_filter: str | ComponentRef = Field(
-        "keep_all",
-        description="Dynamic sampling (DAPO): which generated groups are trained on, a group_filter plugin: keep_all, drop_zero_std, accuracy_band. A filter that drops groups makes the engine generate more prompts until the batch is full.",
+    group_filter: str | ComponentRef | None = Field(
+        None,
+        description="Dynamic sampling (DAPO): which generated groups are trained on, a group_filter plugin: drop_zero_std, accuracy_band, keep_all. A filter that drops groups makes the engine generate more prompts until the batch is full. None: every group, as keep_all.",
     )
     max_refill_rounds: int = Field(
         4,

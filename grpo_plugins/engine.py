@@ -198,7 +198,7 @@ class Engine:
             cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.generator,
             self.rewards, resolve_component("reward_scaling", cfg.scale_rewards, reg),
             keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
-            group_filter=resolve_component("group_filter", cfg.group_filter, reg),
+            group_filter=resolve_component("group_filter", cfg.group_filter, reg) if cfg.group_filter is not None else None,
         )
         self.update = PolicyUpdate(
             cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),

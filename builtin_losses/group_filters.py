@@ -69,19 +69,19 @@ class AccuracyBand(GroupFilter):
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
+    def check_rewards(self, names: list[str]) -> None:
+        if self.params.reward is not None and self.params.reward not in names:
+            raise ValueError(
+                f"group_filter accuracy_band: reward '{self.params.reward}' is not a reward of this run "
+                f"({', '.join(names)}); set group_filter.params.reward to one of them"
+            )
+
     def keep(self, rewards: Tensor, total: Tensor, names: list[str], num_generations: int) -> Tensor:
         import torch
 
         p = self.params
-        if p.reward is None:
-            values = total
-        elif p.reward in names:
-            values = rewards[:, names.index(p.reward)]
-        else:
-            raise ValueError(
-                f"group_filter accuracy_band: reward '{p.reward}' is not a reward of this run "
-                f"({', '.join(names)}); set group_filter.params.reward to one of them"
-            )
+        self.check_rewards(names)
+        values = total if p.reward is None else rewards[:, names.index(p.reward)]
         groups = values.reshape(-1, num_generations)  # (N/G, G)
         valid = ~torch.isnan(groups)
         count = valid.sum(1)

@@ -203,6 +203,9 @@ class GroupFilter:
 
     * ``drops_groups``: False for a filter that never drops anything (``keep_all``); the engine
       then takes the plain path (no gathering of completions, no group-filter metrics).
+    * optional method ``check_rewards(names: list[str]) -> None``: raise ValueError when the
+      filter cannot work with a run whose rewards are ``names`` (``validate`` calls it, so a
+      wrong reward name is reported before a model is loaded).
     """
 
     Params: ClassVar[type[BaseModel] | None] = None

@@ -90,13 +90,25 @@ def test_accuracy_band_reads_the_named_reward() -> None:
     assert _keep("accuracy_band", {"reward": "a"}, table) == [False, False]
 
 
-def test_accuracy_band_names_an_unknown_reward() -> None:
+def test_accuracy_band_names_an_unknown_reward_in_validate_and_in_the_run() -> None:
     import torch
 
+    from grpo_plugins.config import ConfigError, load_config
     from grpo_plugins.dynamic_sampling import filter_groups
     from grpo_plugins.errors import TrainingError
     from grpo_plugins.registry import get_registry
+    from grpo_plugins.validation import validate_config
 
+    config = load_config({"task": "arithmetic", "group_filter": {"name": "accuracy_band", "params": {"reward": "correct"}}})
+    with pytest.raises(ConfigError) as raised:
+        validate_config(config)
+    assert raised.value.errors == [(
+        "group_filter.params",
+        "group_filter accuracy_band: reward 'correct' is not a reward of this run (correct_answer, format); "
+        "set group_filter.params.reward to one of them",
+    )]
+    validate_config(load_config({**config.model_dump(exclude_unset=True),
+                                 "group_filter": {"name": "accuracy_band", "params": {"reward": "correct_answer"}}}))
     built = get_registry().build("group_filter", "accuracy_band", {"reward": "acc"})
     with pytest.raises(TrainingError, match="reward 'acc' is not a reward of this run \\(a\\)"):
         filter_groups(built, "accuracy_band", torch.zeros(8, 1), [1.0], ["a"], 4)

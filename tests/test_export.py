@@ -160,6 +160,48 @@ def test_gguf_tokenizer_reads_back_with_special_tokens_and_chat_template(bpe_tok
     assert types[:6] == [3] * 6 and types[-4:] == [5] * 4  # control (specials), unused (padding rows)
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-2-style tokenizer: BPE with byte fallback over "▁"-marked words (as Mistral's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo_plugins.testing.tiny import _BPE_CORPUS
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator(_BPE_CORPUS, trainers.BpeTrainer(vocab_size=420, special_tokens=specials, show_progress=False))
+    directory = tmp_path_factory.mktemp("spm") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        str(directory)
+    )
+    return directory
+
+
+def test_gguf_sentencepiece_style_tokenizer_reads_back(sentencepiece_tokenizer_dir: Path, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_plugins.gguf_export import write_gguf
+
+    tokenizer = AutoTokenizer.from_pretrained(str(sentencepiece_tokenizer_dir))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny_model_config("llama", vocab_size=len(tokenizer))))
+    path = write_gguf(model, tokenizer, tmp_path / "model.gguf", "f16")
+
+    back = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["What is 12 + 7? The answer", "ünï  x", "hello world"]:  # the last two need byte fallback
+        assert back(text)["input_ids"] == tokenizer(text)["input_ids"]
+        assert back.decode(back(text)["input_ids"]) == text
+    fields = GGUFReader(str(path)).fields
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    assert types[:3] == [3] * 3 and types[3:259] == [6] * 256  # control (unk, bos, eos), then byte tokens
+
+
 def test_gguf_of_a_character_tokenizer_is_refused_before_anything_is_written(
     tiny_model: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -243,10 +243,12 @@ def _clip(text: str) -> str:
 
 
 def _prompt_text(prompt: Any) -> str:
-    """A prompt as text: a string as is; chat messages as ``role: content`` lines."""
+    """A prompt as text: a string as is; chat messages as ``role: content`` lines, without the
+    system message (the same in every row) when there are others."""
     if isinstance(prompt, list):
+        shown = [m for m in prompt if not (isinstance(m, dict) and m.get("role") == "system")] or prompt
         return "\n".join(
-            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in prompt
+            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in shown
         )
     return str(prompt)
 
@@ -312,7 +314,8 @@ def _samples_table(completions: Sequence[dict[str, Any]]) -> str:
             body.append("<tr>" + "".join(cells) + "</tr>")
     which = ", ".join(str(s) for s in chosen)
     return (
-        f"<p>Up to {SAMPLES_PER_STEP} logged completions at steps {which} (first, middle, last).</p>"
+        f"<p>Up to {SAMPLES_PER_STEP} logged completions at steps {which} (first, middle, last); "
+        "system messages are left out.</p>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
 

@@ -56,7 +56,7 @@ def run_dir(tmp_path: Path) -> Path:
     completions = [
         {
             "step": step,
-            "prompt": [{"role": "user", "content": f"What is {step} + {n}?"}],
+            "prompt": [{"role": "system", "content": "Answer in tags."}, {"role": "user", "content": f"What is {step} + {n}?"}],
             "completion": f"<answer>{step + n}</answer> <b>bold</b>",
             "rewards": {"correct_answer": 1.0, "format": None},
             "advantage": 0.5,
@@ -87,7 +87,7 @@ def test_report_has_every_section_and_plots_what_was_logged(run_dir: Path) -> No
     # Completions of steps 1, 6 and 10 only, 6 of each, escaped.
     steps = [int(s) for s in re.findall(r'<tr><td class="num">(\d+)</td>', page)]
     assert steps == [1] * 6 + [6] * 6 + [10] * 6
-    assert "user: What is 6 + 5?" in page and "&lt;b&gt;bold&lt;/b&gt;" in page and "<b>bold</b>" not in page
+    assert "user: What is 6 + 5?" in page and "Answer in tags." not in page and "&lt;b&gt;bold&lt;/b&gt;" in page and "<b>bold</b>" not in page
     # Nothing is fetched when the page is viewed: no external scripts, styles, images or fonts.
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page) and "@import" not in page
 

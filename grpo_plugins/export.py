@@ -95,7 +95,14 @@ def load_policy(checkpoint: str | os.PathLike[str]) -> tuple[PreTrainedModel, Pr
             raise ExportError(f"{model_dir} holds a LoRA adapter but {config_file} has no lora settings")
         # The base as the run built it (same source, same seed for a random initialisation).
         model, _ = load_model(config.model, dtype="float32", lora=config.lora, seed=config.seed)
-        load_weights(model_dir, model)
+        try:
+            load_weights(model_dir, model)
+        except (GRPOPluginsError, RuntimeError) as exc:  # RuntimeError: torch's size mismatch
+            raise ExportError(
+                f"{exc}. The adapter does not fit the base model that {config_file} names ({_model_name(config)}); "
+                "a run started from Python with Engine(model=...) trained another base: merge it there "
+                "with peft (PeftModel.from_pretrained(base, ADAPTER_DIR).merge_and_unload())"
+            ) from exc
         model = model.merge_and_unload()
     else:
         if not any(model_dir.glob("*.safetensors")):
@@ -103,20 +110,20 @@ def load_policy(checkpoint: str | os.PathLike[str]) -> tuple[PreTrainedModel, Pr
         model, _ = load_model(str(model_dir), dtype="float32")
     try:
         tokenizer = load_tokenizer(str(model_dir))
-    except GRPOPluginsError:  # a checkpoint saved without its tokenizer: the run's own
-        from grpo_plugins.models import _resolve_source
-
-        spec = config.model
-        name = spec if isinstance(spec, str) else (spec.tokenizer or spec.name_or_path)
-        if name is None:
-            raise
-        source, local = _resolve_source(name)
-        tokenizer = load_tokenizer(source, local=local)
+    except GRPOPluginsError as exc:
+        raise ExportError(f"{model_dir} has no readable tokenizer (checkpoints save it next to the weights): {exc}") from exc
     model.eval()
     model.requires_grad_(False)
     if model.dtype != torch.float32:
         model.to(torch.float32)
     return model, tokenizer, is_adapter
+
+
+def _model_name(config: Any) -> str:
+    spec = config.model
+    if isinstance(spec, str):
+        return f"model: {spec}"
+    return f"model: {spec.name_or_path or 'a random initialisation from model.config'}"
 
 
 def export_dtype(requested: str, checkpoint: Path) -> str:

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -227,8 +228,9 @@ def permute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_tensors(model: PreTrainedModel) -> list[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for every weight of ``model``, in llama.cpp's layout."""
+def gguf_tensors(model: PreTrainedModel) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight of ``model``, in llama.cpp's layout, one at a
+    time (so a large model is never copied whole)."""
     import gguf
 
     config = model.config
@@ -237,7 +239,6 @@ def gguf_tensors(model: PreTrainedModel) -> list[tuple[str, np.ndarray]]:
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     n_head, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    out = []
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reads the embedding when there is no output.weight
@@ -252,8 +253,7 @@ def gguf_tensors(model: PreTrainedModel) -> list[tuple[str, np.ndarray]]:
             data = permute_rotary(data, n_head)
         elif arch_name == "llama" and name.endswith("attn_k"):
             data = permute_rotary(data, n_kv)
-        out.append((f"{name}.{suffix}", data))
-    return out
+        yield f"{name}.{suffix}", data
 
 
 def _encode(data: np.ndarray, gguf_type: str) -> tuple[np.ndarray, Any]:
@@ -286,7 +286,8 @@ def write_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        writer = gguf.GGUFWriter(str(tmp), arch_name)
+        # use_temp_file: each tensor is encoded and spooled to disk as it is added, not kept in memory.
+        writer = gguf.GGUFWriter(str(tmp), arch_name, use_temp_file=True)
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(getattr(config, "model_type", arch_name) + " (grpo-plugins export)")
         writer.add_context_length(int(config.max_position_embeddings))

@@ -213,9 +213,23 @@ def test_gguf_of_a_character_tokenizer_is_refused_before_anything_is_written(
     assert "GGUF export supports byte-level BPE tokenizers" in err and "WordLevel" in err
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "m.gguf").exists()
+    capsys.readouterr()
     # Without --gguf the same run exports.
-    assert main(["export", str(tmp_path / "run" / "checkpoints" / "checkpoint-2"), "--out", str(out)]) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    assert main(["export", str(checkpoint), "--out", str(out)]) == 0
     assert (out / "model.safetensors").is_file()
+
+    # A config naming another base than the adapter was trained on (as after Engine(model=...)).
+    import yaml
+
+    config = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(tiny_model_config("llama", hidden_size=48)))
+    config["model"]["config"] = str(other)
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(config))
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the base model" in err and "Engine(model=...)" in err and "Traceback" not in err
 
 
 def test_export_of_an_unsupported_architecture_says_so(bpe_tokenizer_dir: Path) -> None:

@@ -116,7 +116,9 @@ def test_gguf_round_trip_through_transformers(arch: str, gguf_type: str, bpe_tok
     from grpo_plugins.gguf_export import write_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir))
-    overrides: dict[str, Any] = {"vocab_size": len(tokenizer), "initializer_range": 0.2}
+    overrides: dict[str, Any] = {
+        "vocab_size": len(tokenizer), "initializer_range": 0.2, "rope_theta": 5000.0, "rms_norm_eps": 1e-5,
+    }
     if arch == "qwen3":  # transformers' GGUF loader assumes Qwen3's head_dim of 128
         overrides.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=128)
     if arch == "qwen2-tied":
@@ -129,6 +131,8 @@ def test_gguf_round_trip_through_transformers(arch: str, gguf_type: str, bpe_tok
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     assert loaded.config.model_type == config.model_type
     assert loaded.config.tie_word_embeddings == (arch == "qwen2-tied")
+    assert loaded.config.rope_parameters["rope_theta"] == 5000.0
+    assert loaded.config.rms_norm_eps == pytest.approx(1e-5, rel=1e-6)  # stored as float32
     ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
     error = _relative_error(_logits(loaded, ids), _logits(model, ids))
     assert error < GGUF_TOLERANCE[gguf_type]

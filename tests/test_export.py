@@ -236,13 +236,27 @@ def test_gguf_of_a_character_tokenizer_is_refused_before_anything_is_written(
     assert "does not fit the base model" in err and "Engine(model=...)" in err and "Traceback" not in err
 
 
-def test_export_of_an_unsupported_architecture_says_so(bpe_tokenizer_dir: Path) -> None:
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 400}, r"not 'gpt2'"),
+        ({**tiny_model_config("llama", vocab_size=400), "rope_parameters": LLAMA3_ROPE}, r"rope scaling \(llama3\)"),
+        ({**tiny_model_config("qwen2", vocab_size=400), "model_type": "mistral", "sliding_window": 16},
+         r"sliding-window attention \(window 16\)"),
+    ],
+    ids=["gpt2", "llama3-rope", "sliding-window"],
+)
+def test_gguf_refuses_what_it_cannot_write(config: dict[str, Any], message: str, bpe_tokenizer_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from grpo_plugins.gguf_export import GGUFExportError, check_supported
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=400))
-    with pytest.raises(GGUFExportError, match=r"not 'gpt2'.*convert_hf_to_gguf"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    with pytest.raises(GGUFExportError, match=message + r".*convert_hf_to_gguf"):
         check_supported(model, AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir)))
 
 

@@ -6,10 +6,12 @@ inside the captured step; grouped-query attention reads the cache without repeat
 generation stops early once every row has finished (checked every ``check_every`` steps). Batch
 and prompt length are padded to buckets, so a run compiles and captures once per bucket.
 
-It samples with the trained model's own modules (LoRA adapters included), so it needs no weight
-sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
+It samples with the trained model's own weights, read in place or, for LoRA models, from a
+copy with the adapters merged that is refreshed before each generation (equal up to one rounding
+to the model's dtype), so it needs no weight sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
-or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests).
+or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests). On a
+bitsandbytes-quantised base the step is not compiled unless asked (see :func:`decode_flags`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,23 @@ if TYPE_CHECKING:
     from grpo_plugins.generators.static_decode import StaticDecoder
 
 logger = logging.getLogger(__name__)
+
+
+def decode_flags(params: StaticCacheGenerator.Params, on_cuda: bool, quantized: bool) -> tuple[bool, bool]:
+    """(compile, cuda_graph) for the decode step. Both need CUDA. A bitsandbytes-quantised base
+    (``load_in_4bit``/``load_in_8bit``) is not compiled unless ``compile`` is set explicitly:
+    its layers dequantise inside bitsandbytes' own kernels, which torch.compile does not fuse.
+    The step is still captured in a CUDA graph (a capture that fails falls back to eager
+    decoding, with a warning)."""
+    compile_step = params.compile and on_cuda
+    if on_cuda and quantized and "compile" not in params.model_fields_set:
+        logger.info(
+            "generator 'static': the base model is quantised (bitsandbytes), so the decode step runs "
+            "its layers uncompiled%s (set the generator's compile param to true to compile it)",
+            " in a CUDA graph" if params.cuda_graph else "",
+        )
+        compile_step = False
+    return compile_step, params.cuda_graph and on_cuda
 
 
 class StaticCacheGenerator(Generator):
@@ -44,6 +63,10 @@ class StaticCacheGenerator(Generator):
             description="Free the KV cache and graph after each generation (less memory while training; re-captures each time).",
         )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
+        merge_weights: bool | None = Field(
+            None,
+            description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases); false reads the model's own modules.",
+        )
 
     samples_from_policy = True
 
@@ -59,6 +82,7 @@ class StaticCacheGenerator(Generator):
         from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError
         from grpo_plugins.generators.common import eos_token_ids, unwrap_model
         from grpo_plugins.models import prepare_tokenizer
+        from grpo_plugins.quantization import is_quantized
 
         super().setup(model, tokenizer, sampling)
         if tokenizer.pad_token_id is None:
@@ -67,18 +91,20 @@ class StaticCacheGenerator(Generator):
         try:
             inner = unwrap_model(model)
             on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
+            compile_step, cuda_graph = decode_flags(self.params, on_cuda, is_quantized(inner))
             self._decoder = StaticDecoder(
                 inner,
                 sampling,
                 eos_token_ids(inner, tokenizer),
                 int(tokenizer.pad_token_id),
-                compile=self.params.compile and on_cuda,
-                cuda_graph=self.params.cuda_graph and on_cuda,
+                compile=compile_step,
+                cuda_graph=cuda_graph,
                 prompt_multiple=self.params.prompt_multiple,
                 check_every=self.params.check_every,
                 stop_at_eos=not self.params.ignore_eos,
                 max_graphs=self.params.max_graphs,
                 release_cache=self.params.release_cache,
+                merge_weights=self.params.merge_weights,
             )
         except UnsupportedModelError as exc:
             if not self.params.fallback:

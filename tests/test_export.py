@@ -39,7 +39,7 @@ def _bpe_model_spec(tmp: Path, tokenizer_dir: Path, arch: str = "llama", **overr
     return {"config": str(config), "tokenizer": str(tokenizer_dir)}
 
 
-def _train(model: dict[str, Any], output_dir: Path, lora: bool) -> Any:
+def _train(model: dict[str, Any], output_dir: Path, lora: bool, **extra: Any) -> Any:
     from grpo_plugins.engine import Engine
 
     config = {
@@ -59,7 +59,7 @@ def _train(model: dict[str, Any], output_dir: Path, lora: bool) -> Any:
     }
     if lora:
         config["lora"] = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-    engine = Engine(config, rewards=[char_sum], dataset=PROMPTS)
+    engine = Engine({**config, **extra}, rewards=[char_sum], dataset=PROMPTS)
     engine.train()
     return engine
 
@@ -106,6 +106,33 @@ def test_exported_checkpoint_has_the_trained_policys_logits(
     # The GGUF written alongside holds the same policy.
     from_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32)
     assert _relative_error(_logits(from_gguf.eval(), ids), expected) < GGUF_TOLERANCE["f16"]
+
+
+@pytest.mark.slow
+def test_a_qlora_run_is_merged_into_the_unquantised_base(bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpo_plugins.models import load_model
+
+    spec = _bpe_model_spec(tmp_path, bpe_tokenizer_dir)
+    with torch.compiler.set_stance("force_eager"):  # bitsandbytes' CPU path compiles per shape otherwise
+        _train(spec, tmp_path / "run", lora=True, load_in_4bit=True)
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+
+    # Independently: the float32 base (same seed as the run) with the saved adapter, merged.
+    base, tokenizer = load_model(spec, dtype="float32", seed=5)
+    adapter = tmp_path / "run" / "checkpoints" / "checkpoint-2" / "model"
+    expected_model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
+    ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    torch.testing.assert_close(_logits(exported, ids), _logits(expected_model, ids), rtol=0, atol=1e-5)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert not [k for k in weights if "absmax" in k or "quant" in k]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2-tied"])

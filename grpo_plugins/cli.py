@@ -277,6 +277,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from grpo_plugins.config import ConfigError, load_config
     from grpo_plugins.validation import check_config
 
+    _show_info_logs()  # the "TRL key ..." lines of a TRL GRPOConfig's keys
     config = load_config(args.config, args.set)
     check = check_config(config, num_processes=args.num_processes)
     if check.problems:
@@ -436,8 +437,8 @@ def _show_info_logs() -> None:
 def render_config_reference() -> str:
     """docs/config.md: every config key with its type, default and description, from the models."""
     from grpo_plugins.config import (
-        CONFIG_ALIASES,
         CONFIG_SECTIONS,
+        SEED_ALIASES,
         ComponentRef,
         DatasetSpec,
         GRPOConfig,
@@ -470,8 +471,9 @@ def render_config_reference() -> str:
         "`--set model.dtype=bfloat16`, `--set rewards.0.weight=0.5`). Unknown keys are errors with a",
         "suggestion. `grpo-plugins validate CONFIG` checks a file completely without loading a model.",
         "",
-        f"Aliases: {', '.join(f'`{a}`' for a in CONFIG_ALIASES)} (for `per_device_train_batch_size` and",
+        f"Aliases: {', '.join(f'`{a}`' for a in SEED_ALIASES)} (for `per_device_train_batch_size` and",
         "`gradient_accumulation_steps`). `scale_rewards: true` means `group`, `false` means `none`.",
+        "Every key of TRL 1.16's `GRPOConfig` is accepted too: [trl.md](trl.md) says what each one does here.",
         "A component key (`loss_type`, `importance_sampling_level`, `scale_rewards`,",
         "`rollout_correction`, `generator`, `task`) takes a registered name, `distribution:name`, or a",
         "mapping `{name: ..., params: {...}}` whose params the component's own model validates",
@@ -491,11 +493,20 @@ def render_config_reference() -> str:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    text = render_config_reference()
+    return _write_reference(render_config_reference(), args, "config-reference")
+
+
+def cmd_trl_reference(args: argparse.Namespace) -> int:
+    from grpo_plugins.trl_compat import trl_table_markdown
+
+    return _write_reference(trl_table_markdown(), args, "trl-reference")
+
+
+def _write_reference(text: str, args: argparse.Namespace, command: str) -> int:
     if args.check:
         current = Path(args.output).read_text(encoding="utf-8") if Path(args.output).exists() else ""
         if current != text:
-            raise GRPOPluginsError(f"{args.output} is out of date; run grpo-plugins config-reference --output {args.output}")
+            raise GRPOPluginsError(f"{args.output} is out of date; run grpo-plugins {command} --output {args.output}")
         return 0
     if args.output in (None, "-"):
         sys.stdout.write(text)
@@ -596,6 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
     p.add_argument("--check", action="store_true", help="exit 2 if --output is not up to date")
     p.set_defaults(func=cmd_config_reference)
+    p = command("trl-reference", "print (or write) docs/trl.md: every TRL GRPOConfig key and what it does here")
+    p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
+    p.add_argument("--check", action="store_true", help="exit 2 if --output is not up to date")
+    p.set_defaults(func=cmd_trl_reference)
     return parser
 
 
@@ -619,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "config-reference" and args.check and args.output is None:
+    if args.command in ("config-reference", "trl-reference") and args.check and args.output is None:
         parser.error("--check needs --output")
     previous = warnings.showwarning
     warnings.showwarning = _warnings_printer(previous)

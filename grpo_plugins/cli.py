@@ -402,6 +402,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from grpo_plugins.export import export
+
+    _show_info_logs()
+    result = export(
+        args.source, args.out, gguf=args.gguf, gguf_type=args.gguf_type, dtype=args.dtype, overwrite=args.overwrite
+    )
+    console = _console()
+    merged = "LoRA adapter merged" if result.merged_lora else "full weights"
+    console.print(f"exported {result.checkpoint} ({merged})", soft_wrap=True)
+    if result.out is not None:
+        console.print(f"[green]transformers checkpoint ({result.dtype}): {result.out}[/green]", soft_wrap=True)
+    if result.gguf is not None:
+        console.print(f"[green]GGUF ({args.gguf_type}): {result.gguf}[/green]", soft_wrap=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpo_plugins.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    _console().print(f"[green]report: {path}[/green]", soft_wrap=True)
+    return 0
+
+
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is at the time (it may be replaced after set-up)."""
 
@@ -581,6 +606,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                    help="continue from the last checkpoint (of output_dir, or of DIR)")
     p.set_defaults(func=cmd_train)
+
+    p = command("export", "write a trained policy as a transformers checkpoint (LoRA merged) and/or a GGUF file")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run's output directory (its latest checkpoint) or a checkpoint")
+    p.add_argument("--out", metavar="DIR", help="folder for the merged transformers checkpoint")
+    p.add_argument("--gguf", metavar="FILE", help="also (or only) write a GGUF file for llama.cpp / Ollama")
+    p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type (default f16)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype of the transformers checkpoint (default: the run's dtype; float32 for auto)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder or --gguf file")
+    p.set_defaults(func=cmd_export)
+
+    p = command("report", "write a self-contained HTML report of a run (curves, config, sample completions)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output directory")
+    p.add_argument("--out", metavar="FILE.html", help="where to write it (default: RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = command("config-reference", "print (or write) the config reference in Markdown")
     p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")

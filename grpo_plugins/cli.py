@@ -297,6 +297,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{p.num_generations}, {p.optimizer_steps_per_generation} optimizer step(s) per generation "
             f"on {p.num_processes} process(es)"
         )
+        if p.group_filter is not None:
+            console.print(
+                f"  dynamic sampling: group_filter {p.group_filter}, up to {p.max_refill_rounds} refill round(s): "
+                f"{p.effective_batch_size} to {p.max_generations_per_cycle} completions per generation"
+            )
     for b in check.registry.broken:  # not used by this config, but installed and not loaded
         console.print(
             f"  [yellow]broken plugin (not loaded):[/yellow] {b.plugin} from {b.distribution} "
@@ -350,8 +355,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("unique_prompts", "effective_batch_size / num_generations",
          f"{p.effective_batch_size} / {p.num_generations}", p.unique_prompts),
     ]
+    if p.group_filter is not None:
+        formulas.append(
+            ("max_generations_per_cycle", "effective_batch_size * (1 + max_refill_rounds)",
+             f"{p.effective_batch_size} * (1 + {p.max_refill_rounds})", p.max_generations_per_cycle)
+        )
     for name, formula, numbers, value in formulas:
         console.print(f"{name:<30} = {formula} = {numbers} = [bold]{value}[/bold]", soft_wrap=True)
+    if p.group_filter is not None:
+        console.print(
+            f"group_filter {p.group_filter}: a cycle generates {p.effective_batch_size} to {p.max_generations_per_cycle} "
+            f"completions ({p.unique_prompts} to {p.max_prompts_per_cycle} prompts) for its "
+            f"{p.optimizer_steps_per_generation} optimizer step(s). The batch columns below are group slots: "
+            "each is filled at generation time by the next group the filter keeps; slots still empty after "
+            "max_refill_rounds train on nothing.",
+            soft_wrap=True,
+        )
     processes = range(p.num_processes) if args.process is None or p.num_processes == 1 else [args.process]
     for n in range(args.cycles):
         table = Table(title=f"Generation cycle {_cycle_name(n)}", title_justify="left")
@@ -380,6 +399,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     output_dir = getattr(result, "output_dir", None)
     if output_dir is not None:
         _console().print(f"[green]done: results in {output_dir}[/green]")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from grpo_plugins.export import export
+
+    _show_info_logs()
+    result = export(
+        args.source, args.out, gguf=args.gguf, gguf_type=args.gguf_type, dtype=args.dtype, overwrite=args.overwrite
+    )
+    console = _console()
+    merged = "LoRA adapter merged" if result.merged_lora else "full weights"
+    console.print(f"exported {result.checkpoint} ({merged})", soft_wrap=True)
+    if result.out is not None:
+        console.print(f"[green]transformers checkpoint ({result.dtype}): {result.out}[/green]", soft_wrap=True)
+    if result.gguf is not None:
+        console.print(f"[green]GGUF ({args.gguf_type}): {result.gguf}[/green]", soft_wrap=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpo_plugins.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    _console().print(f"[green]report: {path}[/green]", soft_wrap=True)
     return 0
 
 
@@ -562,6 +606,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                    help="continue from the last checkpoint (of output_dir, or of DIR)")
     p.set_defaults(func=cmd_train)
+
+    p = command("export", "write a trained policy as a transformers checkpoint (LoRA merged) and/or a GGUF file")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run's output directory (its latest checkpoint) or a checkpoint")
+    p.add_argument("--out", metavar="DIR", help="folder for the merged transformers checkpoint")
+    p.add_argument("--gguf", metavar="FILE", help="also (or only) write a GGUF file for llama.cpp / Ollama")
+    p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type (default f16)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype of the transformers checkpoint (default: the run's dtype; float32 for auto)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder or --gguf file")
+    p.set_defaults(func=cmd_export)
+
+    p = command("report", "write a self-contained HTML report of a run (curves, config, sample completions)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output directory")
+    p.add_argument("--out", metavar="FILE.html", help="where to write it (default: RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)
 
     p = command("config-reference", "print (or write) the config reference in Markdown")
     p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")

@@ -495,3 +495,11 @@ def test_the_configs_chat_template_kwargs_reach_prompts_and_replies(tokenizer: A
     # The reply is rendered with the same arguments (the template's prefix is not repeated).
     assert decode_where(tokenizer, out.completion_ids[0], out.completion_mask[0] - out.model_mask[0]) == TOOL_REPLY.format(result=56088)
     env.close()
+
+
+def test_dynamic_sampling_that_drops_groups_refuses_a_multi_turn_environment(engine_factory) -> None:
+    from grpo_plugins.errors import TrainingError
+
+    engine = engine_factory(group_filter="drop_zero_std")
+    with pytest.raises(TrainingError, match="group_filter that drops groups .* multi-turn environment"):
+        engine.rollouts.make(0, 1)

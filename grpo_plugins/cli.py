@@ -8,6 +8,7 @@ it). Ctrl-C exits with 130. Heavy modules are imported only by the commands that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -17,7 +18,7 @@ import tempfile
 import types
 import typing
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -393,12 +394,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _show_info_logs()
     from grpo_plugins.evaluation import evaluate
 
-    result = evaluate(config, checkpoint=args.checkpoint, base=args.base)
+    with _eval_progress() as progress:
+        result = evaluate(config, checkpoint=args.checkpoint, base=args.base, progress=progress)
     if args.json:
         _print_json(result.to_json())
         return 0
     _print_eval(result)
     return 0
+
+
+@contextlib.contextmanager
+def _eval_progress() -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr for the generate calls of ``eval`` (terminals only)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=_console(stderr=True), transient=True,
+    ) as bar:
+        task = bar.add_task("eval", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _print_eval(result: Any) -> None:

@@ -23,7 +23,7 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -302,9 +302,10 @@ class Evaluator:
             max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
         )
 
-    def run(self, step: int = 0, model: str = "") -> EvalResult:
+    def run(self, step: int = 0, model: str = "", progress: Callable[[int, int], None] | None = None) -> EvalResult:
         """Evaluate now (``step``: the optimizer step, passed to rewards as
-        ``trainer_state.global_step``; ``model``: a label for the result).
+        ``trainer_state.global_step``; ``model``: a label for the result; ``progress(done,
+        total)`` is called after each generate call).
 
         Raises:
             RewardError: a reward failed (with ``on_error: raise``).
@@ -320,6 +321,8 @@ class Evaluator:
         padded = share + [share[-1] if share else 0] * (per_process - len(share))
         error: Exception | None = None
         sampled = greedy = None
+        calls = [math.ceil(len(padded) / self._prompts_per_call(n)) for n in (self.n, 1)]
+        self._progress = _Counter(sum(calls), progress)
         with isolated_rng(self.config.seed + self.rank), generator_state_kept(self.generator), torch.no_grad():
             try:
                 sampled = self._generate(padded, self.n, step)
@@ -359,7 +362,7 @@ class Evaluator:
 
         from grpo_plugins.rollout import score_completions
 
-        per_call = max(1, self.config.per_device_eval_batch_size // n)
+        per_call = self._prompts_per_call(n)
         rewards, lengths, truncated = [], [], []
         for start in range(0, len(indices), per_call):
             chunk = [i for i in indices[start : start + per_call] for _ in range(n)]
@@ -373,6 +376,7 @@ class Evaluator:
             rewards.append(scores.float().cpu())
             lengths.append(length)
             truncated.append(out.is_truncated.bool().cpu())
+            self._progress.advance()
         K = len(self.rewards.names)
         I = len(indices)
         return (
@@ -380,6 +384,9 @@ class Evaluator:
             torch.cat(lengths).reshape(I, n) if lengths else torch.zeros(0, n),
             torch.cat(truncated).reshape(I, n) if truncated else torch.zeros(0, n, dtype=torch.bool),
         )
+
+    def _prompts_per_call(self, n: int) -> int:
+        return max(1, self.config.per_device_eval_batch_size // n)
 
     def _raise_if_failed(self, error: Exception | None) -> None:
         import torch
@@ -390,6 +397,16 @@ class Evaluator:
             if error is not None:
                 raise error
             raise TrainingError(f"evaluation failed on process {int(failed.nonzero()[0])}; see its message")
+
+
+class _Counter:
+    def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
+        self.done, self.total, self.callback = 0, total, callback
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total)
 
 
 # -- grpo-plugins eval -------------------------------------------------------------------------------
@@ -463,6 +480,7 @@ def evaluate(
     base: bool = False,
     registry: Registry | None = None,
     eval_dataset: Any = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
     """Evaluate a checkpoint (or the untrained model with ``base``) on the config's eval prompts
     (the ``grpo-plugins eval`` command); see :func:`resolve_eval_model` for ``checkpoint``."""
@@ -482,7 +500,7 @@ def evaluate(
     generator = build_generator(config, registry, model, tokenizer, device)
     rewards = reward_runner(config, registry)
     try:
-        return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label)
+        return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label, progress=progress)
     finally:
         rewards.close()
         close = getattr(generator, "close", None)

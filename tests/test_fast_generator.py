@@ -313,3 +313,22 @@ def test_compiled_decode_is_one_graph_per_function_across_layers_and_buckets(tin
         torch.testing.assert_close(ours[3], reference[3], atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 2  # compiling whole steps took one graph per bucket
     torch._dynamo.reset()
+
+
+def test_sampling_override_decodes_greedily_then_restores_the_run_settings(tiny_model: dict) -> None:
+    model, tokenizer = _load(tiny_model)
+    greedy = SamplingSettings(max_completion_length=8, top_k=1)
+    reference = get_registry().build("generator", "transformers")
+    reference.setup(model, tokenizer, greedy)
+    expected = reference.generate(PROMPTS).completion_ids
+
+    run_settings = SamplingSettings(max_completion_length=8, seed=11)
+    generator = get_registry().build("generator", "static")
+    generator.setup(model, tokenizer, run_settings)
+    before = generator.generate(PROMPTS).completion_ids
+    with generator.sampling_override(greedy):
+        assert generator.sampling is greedy
+        assert torch.equal(generator.generate(PROMPTS).completion_ids, expected)
+    assert generator.sampling is run_settings
+    generator.calls = 0  # the same seed again: the run's own decoder samples as before
+    assert torch.equal(generator.generate(PROMPTS).completion_ids, before)

@@ -46,7 +46,7 @@ from grpo_plugins.guards import NonFiniteError, RunGuard
 from grpo_plugins.metrics import MetricsWriter
 from grpo_plugins.objective import loss_settings
 from grpo_plugins.registry import Registry, registry_for, resolve_component
-from grpo_plugins.rewards import RewardError, reward_runner
+from grpo_plugins.rewards import reward_runner
 from grpo_plugins.rollout import Policy, RewardFailed, Rollout, RolloutMaker, accumulation_windows, keeps_sampling_logps
 from grpo_plugins.runtime import make_accelerator
 from grpo_plugins.step_log import StepLog
@@ -281,7 +281,10 @@ class Engine:
         last_saved = self.global_step if resumed_from is not None else -1
         final: Path | None = None
         if self.evaluator is not None and self.config.eval_on_start and self.global_step == 0:
-            self._evaluate()
+            try:
+                self._evaluate()
+            except RewardFailed as failed:
+                raise failed.error from None
 
         while self.global_step < self.total_steps:
             steps = plan.cycle(cycle, acc.process_index)
@@ -306,14 +309,14 @@ class Engine:
                 if self.evaluator is not None and self.global_step % self.eval_every == 0:
                     try:
                         self._evaluate()
-                    except RewardError:
+                    except RewardFailed as failed:
                         # The step is done: keep it (as a failing reward in a rollout does).
                         if self.global_step != last_saved:
                             if mid_cycle:
                                 self._save(cycle, k + 1, rollout)
                             else:
                                 self._save(cycle + 1, 0, None)
-                        raise
+                        raise failed.error from None
                 if done or (cfg.save_steps and self.global_step % cfg.save_steps == 0):
                     final = self._save(cycle, k + 1, rollout) if mid_cycle else self._save(cycle + 1, 0, None)
                     last_saved = self.global_step

@@ -308,9 +308,12 @@ class Evaluator:
         total)`` is called after each generate call).
 
         Raises:
-            RewardError: a reward failed (with ``on_error: raise``).
+            RewardFailed: a reward failed (with ``on_error: raise``) on some process; its
+                ``error`` is the reward's error on that process.
         """
         import torch
+
+        from grpo_plugins.rewards import RewardError
 
         t0 = time.perf_counter()
         P = len(self.rows)
@@ -328,12 +331,9 @@ class Evaluator:
                 sampled = self._generate(padded, self.n, step)
                 with sampling_override(self.generator, greedy_settings(self.config)):
                     greedy = self._generate(padded, 1, step)
-            except Exception as exc:  # noqa: BLE001 - re-raised below on every process
-                if self.world == 1:
-                    raise
+            except RewardError as exc:  # raised below on every process
                 error = exc
-        if self.world > 1:
-            self._raise_if_failed(error)
+        self._raise_if_failed(error)
         assert sampled is not None and greedy is not None
         local = [
             (i, *(t[j].tolist() for t in sampled), *(t[j].tolist() for t in greedy))
@@ -389,14 +389,18 @@ class Evaluator:
         return max(1, self.config.per_device_eval_batch_size // n)
 
     def _raise_if_failed(self, error: Exception | None) -> None:
+        """Raise RewardFailed on every process when a reward failed on any."""
         import torch
 
-        acc = self.accelerator
-        failed = acc.gather(torch.tensor([0.0 if error is None else 1.0], device=acc.device))
-        if bool(failed.any()):
-            if error is not None:
-                raise error
-            raise TrainingError(f"evaluation failed on process {int(failed.nonzero()[0])}; see its message")
+        from grpo_plugins.rollout import RewardFailed
+
+        if self.world > 1:
+            acc = self.accelerator
+            failed = acc.gather(torch.tensor([0.0 if error is None else 1.0], device=acc.device))
+            if bool(failed.any()) and error is None:
+                error = TrainingError(f"a reward failed on process {int(failed.nonzero()[0])} while evaluating; see its message")
+        if error is not None:
+            raise RewardFailed(error)
 
 
 class _Counter:
@@ -490,6 +494,7 @@ def evaluate(
     from grpo_plugins.generators import build_generator
     from grpo_plugins.registry import registry_for
     from grpo_plugins.rewards import reward_runner
+    from grpo_plugins.rollout import RewardFailed
 
     registry = registry if registry is not None else registry_for(config.disable_plugins)
     model_dir, label = resolve_eval_model(checkpoint, base, config.output_dir)
@@ -501,6 +506,8 @@ def evaluate(
     rewards = reward_runner(config, registry)
     try:
         return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label, progress=progress)
+    except RewardFailed as failed:
+        raise failed.error from None
     finally:
         rewards.close()
         close = getattr(generator, "close", None)

@@ -180,3 +180,21 @@ def test_eval_takes_checkpoint_or_base_not_both(tiny_model: dict, tmp_path: Path
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", str(_cli_config(tiny_model, tmp_path)), "--base", "--checkpoint", str(tmp_path)])
     assert exit_info.value.code == 2
+
+
+def fails_on_eval_prompts(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    if any(p in {r["prompt"] for r in EVAL_PROMPTS} for p in prompts):
+        raise ValueError("no score for eval prompts")
+    return [0.0] * len(completions)
+
+
+def test_a_reward_failing_while_evaluating_stops_the_run_after_saving_the_step(tiny_model: dict, tmp_path: Path) -> None:
+    from grpo_plugins.checkpoint import latest_checkpoint
+    from grpo_plugins.rewards import RewardError
+
+    config = _config(tiny_model, tmp_path / "run", eval_strategy="steps", eval_steps=1, steps_per_generation=4, gradient_accumulation_steps=2)
+    engine = Engine(config, rewards=[char_sum, fails_on_eval_prompts], dataset=PROMPTS, eval_dataset=EVAL_PROMPTS)
+    with pytest.raises(RewardError, match="fails_on_eval_prompts.*no score for eval prompts"):
+        engine.train()
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint-1"  # saved inside the cycle
+    assert engine.evals == []

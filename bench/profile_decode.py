@@ -1,0 +1,186 @@
+"""Where the ``static`` generator's decode step spends its time (issue 12: generation is the
+bottleneck; ~2 ms per token at 0.5B × 64 rows against a ~0.4 ms bandwidth floor).
+
+For each variant it builds the model, generates once (compiles, captures the graph), then:
+
+* times ``generate`` of ``--rows`` × ``--tokens`` (full length, EOS ignored): ms per token;
+* times bare graph replays (one decode step each) with CUDA events;
+* profiles ``--profile-steps`` replays with ``torch.profiler`` and reports the kernels per step,
+  their total device time per step and the top kernels.
+
+Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), ``static``
+(regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
+``eager`` (no compilation, still one CUDA graph).
+
+    python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
+
+Writes ``$OUT/profile_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench._common as common  # noqa: E402
+from bench._common import DEVICE, gib, out_dir, sync, write_json  # noqa: E402
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dynamic": {"compile": True, "dynamic": True, "mode": None},
+    "static": {"compile": True, "dynamic": False, "mode": None},
+    "autotune": {"compile": True, "dynamic": False, "mode": "max-autotune-no-cudagraphs"},
+    "eager": {"compile": False},
+}
+
+
+def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
+    from grpo_plugins.generators.static_decode import StaticDecoder, decode_head, decode_layer, decode_step
+    from grpo_plugins.kinds import SamplingSettings
+
+    sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
+    dec = StaticDecoder(model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False)
+    if variant.get("compile"):
+        kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
+        if variant.get("mode"):
+            kw["mode"] = variant["mode"]
+        dec._compiled_step = functools.partial(
+            decode_step, layer_fn=torch.compile(decode_layer, **kw), head_fn=torch.compile(decode_head, **kw)
+        )
+    return dec
+
+
+def _kernel_table(prof: Any, steps: int) -> dict[str, Any]:
+    rows = []
+    total_us = 0.0
+    count = 0
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(evt, "self_cuda_time_total", 0.0)
+        if dev_us <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total_us += dev_us
+        count += evt.count
+        rows.append({"name": evt.key[:120], "per_step": evt.count / steps, "us_per_step": dev_us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"kernels_per_step": count / steps, "device_us_per_step": total_us / steps, "top": rows[:25]}
+
+
+def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    torch._dynamo.reset()
+    model = common.build_model()
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", lora_dropout=0.0)
+        )
+    model.train()
+    dec = _decoder(model, args.tokens, VARIANTS[name])
+    prompts = [list(range(10, 10 + args.prompt)) for _ in range(args.rows)]
+    t0 = time.perf_counter()
+    dec.generate(prompts)
+    sync()
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        dec.generate(prompts)
+        sync()
+        times.append(time.perf_counter() - t0)
+    record: dict[str, Any] = {
+        "first_generate_s": first_s,
+        "generate_s": sorted(times)[len(times) // 2],
+        "ms_per_token": 1000 * sorted(times)[len(times) // 2] / args.tokens,
+    }
+    if DEVICE == "cuda":
+        graph = next(iter(dec._graphs.values()))
+        st = graph.state
+        P = st.k_cache[0].shape[2] - args.tokens  # the prompt bucket
+
+        def rewind() -> None:  # keep the cache index and output column inside the buffers
+            st.cur.fill_(P)
+            st.step.fill_(1)
+
+        assert args.profile_steps + 5 < args.tokens, "--profile-steps must stay below --tokens"
+        rewind()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            graph.replay()
+        start.record()
+        for _ in range(args.profile_steps):
+            graph.replay()
+        end.record()
+        sync()
+        record["replay_ms_per_step"] = start.elapsed_time(end) / args.profile_steps
+        rewind()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.profile_steps):
+                graph.replay()
+            sync()
+        record["graph_replay"] = _kernel_table(prof, args.profile_steps)
+        # The same step without the graph: kernel launches issued by the host.
+        step = dec._step_fn()
+        call = functools.partial(step, dec.parts, st, dec.sampling, dec.pad_id, False)
+        with torch.no_grad():
+            rewind()
+            call()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                call()
+            sync()
+            record["no_graph_ms_per_step"] = 1000 * (time.perf_counter() - t0) / args.profile_steps
+            rewind()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof2:
+                for _ in range(args.profile_steps):
+                    call()
+                sync()
+        record["no_graph"] = _kernel_table(prof2, args.profile_steps)
+        record["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+    del dec, model
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(common.SHAPES))
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--variants", nargs="+", default=["dynamic", "static", "eager"], choices=sorted(VARIANTS))
+    args = parser.parse_args()
+    common.ACTIVE_SHAPE = args.shape
+    results: dict[str, Any] = {"args": vars(args), "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+    path = out_dir() / "profile_decode.json"
+    for name in args.variants:
+        try:
+            results[name] = run_variant(name, args)
+        except Exception as exc:  # noqa: BLE001 - record and go on to the next variant
+            results[name] = {"error": repr(exc)[:2000]}
+        write_json(path, results)
+        summary = {k: v for k, v in results[name].items() if not isinstance(v, dict)}
+        print(name, summary, flush=True)
+        for part in ("graph_replay", "no_graph"):
+            table = results[name].get(part)
+            if table:
+                print(f"  {part}: {table['kernels_per_step']:.0f} kernels/step, {table['device_us_per_step']:.0f} us/step")
+                for row in table["top"][:12]:
+                    print(f"    {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['name']}")
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -98,8 +98,9 @@ def test_a_resumed_run_evaluates_and_trains_as_an_uninterrupted_one(tiny_model: 
     assert _stable(read_metrics(tmp_path / "resumed")) == _stable(read_metrics(tmp_path / "straight"))
 
 
-def test_eval_of_a_lora_checkpoint_gives_the_numbers_the_run_logged(
-    tiny_model: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("lora", [{"r": 4, "lora_alpha": 8}, None], ids=["lora", "full"])
+def test_eval_of_a_checkpoint_gives_the_numbers_the_run_logged(
+    tiny_model: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str], lora: dict | None
 ) -> None:
     import yaml
 
@@ -107,7 +108,7 @@ def test_eval_of_a_lora_checkpoint_gives_the_numbers_the_run_logged(
     eval_file.write_text("".join(json.dumps(r) + "\n" for r in EVAL_PROMPTS))
     train_file.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
     config = _config(
-        tiny_model, tmp_path / "run", lora={"r": 4, "lora_alpha": 8}, max_steps=2, eval_strategy="steps",
+        tiny_model, tmp_path / "run", lora=lora, max_steps=2, eval_strategy="steps",
         eval_steps=2, rewards=["test_evaluation_training:char_sum", "test_evaluation_training:even_length"],
         dataset={"path": str(train_file)}, eval_dataset={"path": str(eval_file)}, learning_rate=0.2,
     )
@@ -124,7 +125,7 @@ def test_eval_of_a_lora_checkpoint_gives_the_numbers_the_run_logged(
     assert main(["eval", str(config_file), "--base", "--json"]) == 0
     base = json.loads(capsys.readouterr().out)
     assert base["model"] == "base"
-    assert base["metrics"] != report["metrics"]  # the adapter changed what the model samples
+    assert base["metrics"] != report["metrics"]  # training changed what the model samples
 
 
 def _cli_config(tiny_model: dict, tmp_path: Path, **extra: Any) -> Path:

@@ -81,6 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vllm-params", default="{}", help="JSON of extra vllm generator params for every vllm run (e.g. weight_sync)"
     )
+    parser.add_argument(
+        "--same-process", action="store_true",
+        help="run every part in this process (by default each run gets its own process: a finished vLLM engine does not give its GPU memory back, which would inflate later runs' memory)",
+    )
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # the child process of one run
     args = parser.parse_args(argv)
     if args.completions % min(8, args.completions) or args.compare_completions % 8:
         parser.error("--completions (unless below 8) and --compare-completions must be multiples of 8 (8 generations per prompt)")
@@ -456,6 +461,24 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def _run_in_child(name: str, argv: list[str], out: Path) -> dict[str, Any]:
+    """Run one planned run in a fresh process (``--only``) and return its record."""
+    import subprocess
+
+    child_out = out.with_name(f"{out.stem}.{name.replace('/', '_')}.child.json")
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--only", name, "--out", str(child_out)]
+    proc = subprocess.run(command)
+    try:
+        child = json.loads(child_out.read_text())
+        child_out.unlink()
+    except (OSError, json.JSONDecodeError) as exc:
+        record = {"error": f"the child process of {name} exited {proc.returncode} without results ({exc})"}
+        RESULTS["errors"].append({"run": name, "error": record["error"], "trace": ""})
+        return record
+    RESULTS["errors"].extend(child.get("errors", []))
+    return child["runs"].get(name, {"error": f"the child process of {name} recorded nothing"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     missing = vllm_missing_message()
@@ -471,14 +494,18 @@ def main(argv: list[str] | None = None) -> int:
         device=torch.cuda.get_device_name(), torch=torch.__version__, vllm=vllm.__version__,
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     )
-    for name, kwargs in planned_runs(args):
+    planned = [(n, kw) for n, kw in planned_runs(args) if args.only in (None, n)]
+    for name, kwargs in planned:
         log(f"== {name}")
-        try:
-            record = run(name, **kwargs)
-        except Exception as exc:
-            record = {"error": repr(exc)}
-            RESULTS["errors"].append({"run": name, "error": repr(exc), "trace": traceback.format_exc()})
-            log(traceback.format_exc())
+        if args.only is None and not args.same_process and len(planned) > 1:
+            record = _run_in_child(name, argv if argv is not None else sys.argv[1:], args.out)
+        else:
+            try:
+                record = run(name, **kwargs)
+            except Exception as exc:
+                record = {"error": repr(exc)}
+                RESULTS["errors"].append({"run": name, "error": repr(exc), "trace": traceback.format_exc()})
+                log(traceback.format_exc())
         RESULTS["runs"][name] = record
         write_json(args.out, RESULTS)
         log(f"{name}: " + json.dumps({k: record.get(k) for k in ("error", "setup_s", "step_s", "generate_s", "train_s")}))

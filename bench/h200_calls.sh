@@ -12,7 +12,7 @@
 #   C (carry .whl .benchdata .gg2): bash bench/h200_calls.sh C
 #   D (carry .whl .benchdata .gg3): bash bench/h200_calls.sh D
 set -uo pipefail
-phase=${1:?phase A|B|C|D|E|F}
+phase=${1:?phase A|B|C|D|E|F|M}
 export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p /root/gg
@@ -68,6 +68,19 @@ D|F)  # D: carry .whl .gg3 after C; F: carry .whl .gg2 after E
   # the example runs were then started by hand, see bench/RESULTS.md)
   echo "=== diagnosis, compiled LoRA layers $(date +%T)"
   OUT=$OUT timeout 170 python3 bench/diagnose_nonfinite.py $ex --set compile_layers=true --set max_steps=100 2>&1 | tail -n 60
+  ;;
+M)  # issue 20, memory per phase (carry .whl .benchdata; .whl must also hold the bitsandbytes-0.50.2 wheel
+    # slimmed to its CPU + CUDA 13 libraries that ../shared/device/make_unsloth_carry.sh writes into .uwhl)
+  install_wheels
+  python3 -c "import bitsandbytes, grpo_plugins; print('bitsandbytes', bitsandbytes.__version__)"
+  mkdir -p $OUT/mem
+  echo "=== 0.4B LoRA r16 64x256 $(date +%T)"
+  timeout 170 python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \
+    --variants default offload release all --torch-profile $OUT/mem/prof \
+    --out $OUT/mem/mem_0.4b.json 2>&1 | grep -v '^step ' | tail -n 60
+  echo "=== 7B LoRA / QLoRA r16 16x8192 $(date +%T)"  # estimated 2.5-3 min per variant (not yet run)
+  timeout 360 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
+    --warmup 0 --variants long qlora-long --out $OUT/mem/mem_7b.json 2>&1 | grep -v '^step ' | tail -n 30
   ;;
 esac
 echo "=== phase $phase done $(date +%T)"

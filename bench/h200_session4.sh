@@ -48,5 +48,19 @@ E)
   echo "=== diagnosis, compiled LoRA layers $(date +%T)"
   OUT=$OUT python3 bench/diagnose_nonfinite.py $ex --set compile_layers=true --set max_steps=80 --set save_steps=1000 2>&1 | tail -n 60
   ;;
+S)  # a fresh machine: carry .whl (with the slim bitsandbytes 0.50.2 wheel) .benchdata
+  rm -rf /root/benchdata && cp -r .benchdata /root/benchdata
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  echo "=== profile_decode 7B LoRA merged vs unmerged $(date +%T)"
+  OUT=$OUT/pd7 python3 bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic unmerged 2>&1 | grep -v -i "softmax\|warn\|^ *$" | tee $OUT/pd7.log | tail -n 30
+  echo "=== bench_grpo 7B LoRA 64x1024 $(date +%T)"
+  OUT=$OUT/b7 python3 bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 --frameworks ours --steps 3 --warmup 2 2>&1 | tee $OUT/b7.log | tail -n 20
+  rm -rf /tmp/bench_*
+  echo "=== profile_memory 0.4B LoRA 64x256 $(date +%T)"
+  python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 4 --warmup 1 \
+    --variants default nomerge all qlora --torch-profile $OUT/mem/prof --out $OUT/mem/mem_0.4b.json 2>&1 | grep -v '^step ' | tee $OUT/mem.log | tail -n 60
+  echo "=== profile_decode 0.5B fused $(date +%T)"
+  OUT=$OUT/pd05 python3 bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic fused 2>&1 | grep -v -i "softmax\|warn\|^ *$" | tail -n 30
+  ;;
 esac
 echo "=== phase $phase done $(date +%T)"

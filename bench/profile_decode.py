@@ -10,7 +10,8 @@ For each variant it builds the model, generates once (compiles, captures the gra
 
 Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), ``static``
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
-``eager`` (no compilation, still one CUDA graph).
+``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
+``merge_weights`` forced on / off (by default on for LoRA models only).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -38,6 +39,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "static": {"compile": True, "dynamic": False, "mode": None},
     "autotune": {"compile": True, "dynamic": False, "mode": "max-autotune-no-cudagraphs"},
     "eager": {"compile": False},
+    "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
+    "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
 }
 
 
@@ -46,7 +49,9 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
     from grpo_plugins.kinds import SamplingSettings
 
     sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
-    dec = StaticDecoder(model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False)
+    dec = StaticDecoder(
+        model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False, merge_weights=variant.get("merge_weights")
+    )
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):

@@ -119,6 +119,18 @@ class GRPOConfig(_Strict):
     dtype: DType = Field("auto", description="bfloat16, float16 (with loss scaling), float32; auto: bf16 on GPUs that support it, else fp32.")
     lora: LoraSettings | None = Field(None, description="LoRA adapter settings; null trains all weights.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more time.")
+    activation_offload: bool = Field(
+        False,
+        description="With gradient_checkpointing: keep each checkpointed layer's input hidden states in (pinned) CPU memory instead of on the device, copied back for the backward pass (Unsloth's offloaded checkpointing). Frees layers x tokens x hidden x 2 bytes of device memory per forward; costs two host-device copies per layer.",
+    )
+    load_in_4bit: bool = Field(
+        False,
+        description="QLoRA: quantise the base model's linear layers to 4-bit NF4 with bitsandbytes (needs lora, a CUDA device and `pip install 'grpo-plugins[qlora]'`); the LoRA adapters and the LM head stay in 16/32 bits.",
+    )
+    load_in_8bit: bool = Field(
+        False,
+        description="Like load_in_4bit, with 8-bit (LLM.int8) base weights.",
+    )
     task: str | ComponentRef | None = Field("arithmetic", description="A task component: data plus default rewards.")
     dataset: DatasetSpec | None = Field(None, description="A dataset instead of (or overriding the data of) the task.")
     rewards: list[str | RewardSpec] = Field(default_factory=list, description="Reward names or mappings; empty: the task's defaults.")
@@ -227,15 +239,43 @@ class GRPOConfig(_Strict):
                     raise FieldError(alias, f"{alias} is an alias of {name}; give only one of them")
                 data[name] = data.pop(alias)
         model = data.get("model")
-        if isinstance(model, dict):  # model: {name_or_path, dtype, lora, gradient_checkpointing}
+        if isinstance(model, dict):  # model: {name_or_path, dtype, lora, gradient_checkpointing, load_in_4bit, ...}
             model = dict(model)
-            for key in ("dtype", "lora", "gradient_checkpointing"):
+            for key in ("dtype", "lora", "gradient_checkpointing", "activation_offload", "load_in_4bit", "load_in_8bit"):
                 if key in model:
                     if key in data:
                         raise FieldError(f"model.{key}", f"give {key} either at the top level or under model, not both")
                     data[key] = model.pop(key)
             data["model"] = model
         return data
+
+    @model_validator(mode="after")
+    def _memory_settings(self) -> GRPOConfig:
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise FieldError(
+                "activation_offload",
+                "activation_offload offloads the inputs of checkpointed layers; set gradient_checkpointing: true too",
+            )
+        if self.load_in_4bit and self.load_in_8bit:
+            raise FieldError("load_in_8bit", "load_in_4bit and load_in_8bit are mutually exclusive; set only one")
+        if (self.load_in_4bit or self.load_in_8bit) and self.lora is None:
+            key = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
+            raise FieldError(
+                key, f"{key} quantises the frozen base, which only LoRA can train: add lora: {{r: 16}} (QLoRA)"
+            )
+        generator = component_ref(self.resolved_generator)
+        if self.quantization_bits is not None and generator is not None and generator.name.rsplit(":", 1)[-1] == "vllm":
+            raise FieldError(
+                "load_in_4bit" if self.load_in_4bit else "load_in_8bit",
+                "the vllm generator cannot take weights from a bitsandbytes-quantised base yet; "
+                "set fast_inference: false (the static generator samples from the quantised model itself)",
+            )
+        return self
+
+    @property
+    def quantization_bits(self) -> int | None:
+        """4 or 8 when the base is quantised (``load_in_4bit`` / ``load_in_8bit``), else None."""
+        return 4 if self.load_in_4bit else 8 if self.load_in_8bit else None
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

@@ -229,7 +229,7 @@ class Engine:
         from grpo_plugins import models
 
         cfg, acc = self.config, self.accelerator
-        model, self.tokenizer = models.policy_and_tokenizer(cfg, self._given_model, self._given_tokenizer)
+        model, self.tokenizer = models.policy_and_tokenizer(cfg, self._given_model, self._given_tokenizer, acc.device)
         self.is_peft = models.is_peft_model(model)
         if cfg.beta != 0.0 and not self.is_peft:
             # Full fine-tuning: the reference is a frozen copy of the starting weights.

@@ -88,7 +88,7 @@ def chunk_logps(
         # A metric, so no graph: recomputation in backward then keeps only the logits' graph.
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)  # (N, V)
-            entropy = logz - (probs * logits).sum(-1)  # (N,)
+            entropy = logz - probs.mul_(logits).sum(-1)  # (N,); in place: one (N, V) temporary less
     else:
         entropy = torch.zeros_like(logps)
     return logps, entropy

@@ -339,6 +339,8 @@ def load_model(
     gradient_checkpointing: bool = False,
     device: Any = None,
     seed: int = 0,
+    activation_offload: bool = False,
+    quantization_bits: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer ready for training.
 
@@ -349,9 +351,14 @@ def load_model(
             LoRA adapters stay float32).
         lora: LoRA settings; the model is wrapped with peft when given.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
-        device: where to put the model (None leaves it on the CPU).
+        device: where to put the model (None leaves it on the CPU; a quantised model goes to
+            the CUDA device, or the CPU where bitsandbytes supports it).
         seed: seeds random initialisation (of the model and of LoRA adapters) so every process
             builds identical weights.
+        activation_offload: with ``gradient_checkpointing``, keep the checkpointed layers'
+            input hidden states in CPU memory (see :func:`enable_gradient_checkpointing`).
+        quantization_bits: 4 or 8 quantises the base's linear layers with bitsandbytes before
+            LoRA is applied (QLoRA; :mod:`grpo_plugins.quantization`).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -386,12 +393,16 @@ def load_model(
             net = _from_pretrained(AutoModelForCausalLM, source, local, "model", dtype=torch_dtype, **common)
         if getattr(net.config, "pad_token_id", None) is None:
             net.config.pad_token_id = tokenizer.pad_token_id
-        if device is not None:
+        if quantization_bits is not None:
+            from grpo_plugins.quantization import quantize_model
+
+            net = quantize_model(net, quantization_bits, torch_dtype, device if device is not None else "cpu")
+        elif device is not None:
             net.to(device)
         if lora is not None:
             net = apply_lora(net, lora)
     if gradient_checkpointing:
-        enable_gradient_checkpointing(net)
+        enable_gradient_checkpointing(net, offload=activation_offload)
     return net, tokenizer
 
 
@@ -416,9 +427,12 @@ def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any]) -
         raise ModelLoadError(f"lora.target_modules: {exc}") from exc
 
 
-def enable_gradient_checkpointing(model: Any) -> None:
+def enable_gradient_checkpointing(model: Any, offload: bool = False) -> None:
     """Non-reentrant activation checkpointing; with peft, inputs require grad so that
-    checkpointed segments of a frozen base still pass gradients to the adapters."""
+    checkpointed segments of a frozen base still pass gradients to the adapters.
+
+    ``offload``: the checkpointed layers' inputs are kept in CPU memory
+    (:class:`~grpo_plugins.offload.OffloadActivations` around each layer's checkpoint)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -428,10 +442,18 @@ def enable_gradient_checkpointing(model: Any) -> None:
     if base is not model:
         base.enable_input_require_grads()
     base.config.use_cache = False
+    if offload:
+        from grpo_plugins.offload import offload_checkpointed_inputs
+
+        if offload_checkpointed_inputs(base) == 0:
+            raise ModelLoadError(
+                "activation_offload: the model has no checkpointed layers to offload; set activation_offload: false"
+            )
 
 
 def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model (peft-wrapped when ``config.lora``) and tokenizer of a run config."""
+    """The model (quantised with ``load_in_4bit``/``load_in_8bit``, peft-wrapped when
+    ``config.lora``) and tokenizer of a run config."""
     return load_model(
         config.model,
         dtype=config.dtype,
@@ -439,19 +461,40 @@ def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[An
         gradient_checkpointing=config.gradient_checkpointing,
         device=device,
         seed=config.seed,
+        activation_offload=config.activation_offload,
+        quantization_bits=config.quantization_bits,
     )
 
 
-def policy_and_tokenizer(config: GRPOConfig, model: Any = None, tokenizer: Any = None) -> tuple[Any, PreTrainedTokenizerBase]:
+def policy_and_tokenizer(
+    config: GRPOConfig, model: Any = None, tokenizer: Any = None, device: Any = None
+) -> tuple[Any, PreTrainedTokenizerBase]:
     """The model to train and its tokenizer: loaded from ``config.model``, or the given ones with
-    the config's LoRA (unless already a peft model) and gradient checkpointing applied."""
+    the config's quantisation (unless already quantised), LoRA (unless already a peft model) and
+    gradient checkpointing applied. ``device``: where a quantised model is quantised (the
+    training device); others are moved there later by accelerate."""
+    bits = config.quantization_bits
     if model is None:
-        return load_model_and_tokenizer(config)
+        return load_model_and_tokenizer(config, device=device if bits is not None else None)
     tokenizer = prepare_tokenizer(tokenizer)
+    if bits is not None and not hasattr(model, "peft_config"):
+        from grpo_plugins.quantization import quantize_model
+
+        # A given model computes in its own dtype unless the config names one.
+        compute_dtype = next(model.parameters()).dtype if config.dtype == "auto" else resolve_dtype(config.dtype)
+        model = quantize_model(model, bits, compute_dtype, device if device is not None else "cpu")
+    elif bits is not None:
+        from grpo_plugins.quantization import is_quantized
+
+        if not is_quantized(model):
+            raise ModelLoadError(
+                f"load_in_{bits}bit: the given model is a peft model over an unquantised base; "
+                "pass the base model (grpo-plugins quantises it and applies lora) or drop the setting"
+            )
     if config.lora is not None and not hasattr(model, "peft_config"):
         model = apply_lora(model, config.lora)
     if config.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, offload=config.activation_offload)
     return model, tokenizer
 
 

@@ -125,6 +125,7 @@ def check_config(
             check.components[name] = component
     _check_rewards(check)
     _check_model(check)
+    _check_quantization(check)
     _check_generator(check)
     _check_data(check)
     _check_eval(check)
@@ -425,6 +426,17 @@ def _check_model(check: ConfigCheck) -> None:
         problem = model_source_problem(name, revision)
         if problem is not None:
             check.problems.append((path, problem))
+
+
+def _check_quantization(check: ConfigCheck) -> None:
+    """``load_in_4bit`` / ``load_in_8bit`` need bitsandbytes installed."""
+    from grpo_plugins.quantization import bitsandbytes_problem
+
+    bits = check.config.quantization_bits
+    if bits is not None:
+        problem = bitsandbytes_problem(bits)
+        if problem is not None:
+            check.problems.append((f"load_in_{bits}bit", problem))
 
 
 def _check_generator(check: ConfigCheck) -> None:

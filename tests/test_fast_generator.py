@@ -332,3 +332,74 @@ def test_sampling_override_decodes_greedily_then_restores_the_run_settings(tiny_
     assert generator.sampling is run_settings
     generator.calls = 0  # the same seed again: the run's own decoder samples as before
     assert torch.equal(generator.generate(PROMPTS).completion_ids, before)
+
+
+def _lora_qwen2(tiny_qwen2: dict) -> object:
+    model, _ = load_model(tiny_qwen2, dtype="float32", lora={"r": 4, "target_modules": "all-linear"}, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_merged_lora_weights_sample_what_the_adapter_modules_sample(tiny_qwen2: dict) -> None:
+    """Decoding from merged, fused copies (the default for LoRA) samples the same tokens with the
+    same log-probs as decoding through peft's modules, and follows in-place weight updates."""
+    from grpo_plugins.generators.static_decode import MergedLayer
+
+    model = _lora_qwen2(tiny_qwen2)
+    sampling = SamplingSettings(max_completion_length=8, temperature=0.8)
+    merged = StaticDecoder(model, sampling, [2], 0, prompt_multiple=4)
+    modules = StaticDecoder(model, sampling, [2], 0, prompt_multiple=4, merge_weights=False)
+    assert merged.merge_weights and not modules.merge_weights
+    for update in range(2):
+        torch.manual_seed(11)
+        ours = merged.generate(PROMPTS)
+        torch.manual_seed(11)
+        reference = modules.generate(PROMPTS)
+        assert torch.equal(ours[0], reference[0]) and torch.equal(ours[1], reference[1])
+        torch.testing.assert_close(ours[3], reference[3], atol=1e-5, rtol=1e-5)
+        with torch.no_grad():  # an optimizer step, in place
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.mul_(-1.5)
+    assert merged._merged is not None and all(isinstance(layer, MergedLayer) for layer in merged._merged)
+    merged.generate(PROMPTS)  # refreshes the copy after the last update
+    # The copy holds W + scaling * B @ A, fused q|k|v.
+    layer, source = merged._merged[0], model.base_model.model.model.layers[0].self_attn
+    q = source.q_proj
+    expected_q = q.base_layer.weight + q.get_delta_weight("default")
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[: expected_q.shape[0]], expected_q)
+
+
+def test_merged_weights_are_off_for_dora_and_refused_when_forced(tiny_qwen2: dict) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = load_model(tiny_qwen2, dtype="float32", seed=0)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    sampling = SamplingSettings(max_completion_length=4)
+    assert not StaticDecoder(model, sampling, [2], 0).merge_weights
+    with pytest.raises(UnsupportedModelError, match="merge_weights"):
+        StaticDecoder(model, sampling, [2], 0, merge_weights=True)
+    plain, _ = load_model(tiny_qwen2, dtype="float32", seed=0)  # full fine-tuning: off unless asked
+    assert not StaticDecoder(plain, sampling, [2], 0).merge_weights
+    torch.manual_seed(1)
+    fused = StaticDecoder(plain, sampling, [2], 0, merge_weights=True).generate(PROMPTS)
+    torch.manual_seed(1)
+    direct = StaticDecoder(plain, sampling, [2], 0).generate(PROMPTS)
+    assert torch.equal(fused[0], direct[0])
+
+
+def test_greedy_override_of_a_lora_model_shares_the_merged_weights(tiny_qwen2: dict) -> None:
+    model = _lora_qwen2(tiny_qwen2)
+    _, tokenizer = _load(tiny_qwen2)
+    greedy = SamplingSettings(max_completion_length=8, top_k=1)
+    reference = get_registry().build("generator", "transformers")
+    reference.setup(model, tokenizer, greedy)
+    generator = get_registry().build("generator", "static")
+    generator.setup(model, tokenizer, SamplingSettings(max_completion_length=8))
+    with generator.sampling_override(greedy):
+        assert torch.equal(generator.generate(PROMPTS).completion_ids, reference.generate(PROMPTS).completion_ids)
+    (other,) = generator._other_decoders.values()
+    assert other.merge_weights and other._merged is generator._decoder._merged

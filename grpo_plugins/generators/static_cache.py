@@ -6,10 +6,12 @@ inside the captured step; grouped-query attention reads the cache without repeat
 generation stops early once every row has finished (checked every ``check_every`` steps). Batch
 and prompt length are padded to buckets, so a run compiles and captures once per bucket.
 
-It samples with the trained model's own modules (LoRA adapters included), so it needs no weight
-sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
+It samples with the trained model's own weights, read in place or, for LoRA models, from a
+copy with the adapters merged that is refreshed before each generation (equal up to one rounding
+to the model's dtype), so it needs no weight sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
-or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests).
+or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests). On a
+bitsandbytes-quantised base the step is not compiled unless asked (see :func:`decode_flags`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def decode_flags(params: StaticCacheGenerator.Params, on_cuda: bool, quantized: bool) -> tuple[bool, bool]:
+    """(compile, cuda_graph) for the decode step. Both need CUDA. A bitsandbytes-quantised base
+    (``load_in_4bit``/``load_in_8bit``) is not compiled unless ``compile`` is set explicitly:
+    its layers dequantise inside bitsandbytes' own kernels, which torch.compile does not fuse.
+    The step is still captured in a CUDA graph (a capture that fails falls back to eager
+    decoding, with a warning)."""
+    compile_step = params.compile and on_cuda
+    if on_cuda and quantized and "compile" not in params.model_fields_set:
+        logger.info(
+            "generator 'static': the base model is quantised (bitsandbytes), so the decode step runs "
+            "its layers uncompiled%s (set the generator's compile param to true to compile it)",
+            " in a CUDA graph" if params.cuda_graph else "",
+        )
+        compile_step = False
+    return compile_step, params.cuda_graph and on_cuda
+
+
 class StaticCacheGenerator(Generator):
     """Static-KV-cache generation with a compiled, CUDA-graph-captured decode step."""
 
@@ -46,6 +65,10 @@ class StaticCacheGenerator(Generator):
             description="Free the KV cache and graph after each generation (less memory while training; re-captures each time).",
         )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
+        merge_weights: bool | None = Field(
+            None,
+            description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases); false reads the model's own modules.",
+        )
 
     samples_from_policy = True
 
@@ -76,28 +99,31 @@ class StaticCacheGenerator(Generator):
 
         from grpo_plugins.generators.common import eos_token_ids, unwrap_model
         from grpo_plugins.generators.static_decode import StaticDecoder
+        from grpo_plugins.quantization import is_quantized
 
         inner = unwrap_model(self.model)
         on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
+        compile_step, cuda_graph = decode_flags(self.params, on_cuda, is_quantized(inner))
         return StaticDecoder(
             inner,
             sampling,
             eos_token_ids(inner, self.tokenizer),
             int(self.tokenizer.pad_token_id),
-            compile=self.params.compile and on_cuda,
-            cuda_graph=self.params.cuda_graph and on_cuda,
+            compile=compile_step,
+            cuda_graph=cuda_graph,
             prompt_multiple=self.params.prompt_multiple,
             check_every=self.params.check_every,
             stop_at_eos=not self.params.ignore_eos,
             max_graphs=self.params.max_graphs,
             release_cache=self.params.release_cache,
+            merge_weights=self.params.merge_weights,
         )
 
     @contextlib.contextmanager
     def sampling_override(self, sampling: SamplingSettings) -> Iterator[None]:
         """Decode with ``sampling`` inside the block. The settings are compiled into the decode
-        step, so this uses a second decoder (its own KV cache and graphs), built on first use and
-        kept for the next evaluation."""
+        step, so this uses a second decoder (its own KV caches and graphs; the merged LoRA
+        weights are shared), built on first use and kept for the next evaluation."""
         if self._decoder is None:  # on the fallback
             assert self._fallback is not None
             with self._fallback.sampling_override(sampling):
@@ -105,7 +131,13 @@ class StaticCacheGenerator(Generator):
             return
         key = tuple(sorted(vars(sampling).items()))
         if key not in self._other_decoders:
-            self._other_decoders[key] = self._make_decoder(sampling)
+            other = self._make_decoder(sampling)
+            if self._decoder.merge_weights and other.merge_weights:
+                # One set of merged LoRA weights for both decoders (each refreshes it before
+                # decoding), not a second copy of every projection weight.
+                self._decoder._decode_parts()
+                other._merged = self._decoder._merged
+            self._other_decoders[key] = other
         previous = self._decoder, self.sampling
         self._decoder, self.sampling = self._other_decoders[key], sampling
         try:

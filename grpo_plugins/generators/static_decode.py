@@ -15,7 +15,9 @@ positions under a validity mask, which is what lets one captured graph serve eve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import base_model, cut_at_eos
 from grpo_plugins.kinds import SamplingSettings
+
+logger = logging.getLogger(__name__)
 
 #: model_type values whose decoder layers this loop reproduces exactly.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -100,6 +104,136 @@ def check_supported(model: Any) -> DecoderParts:
     )
 
 
+# -- merged, fused weights for decoding -----------------------------------------------------------
+
+
+def _is_lora(module: Any) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+
+
+def _mergeable(module: Any) -> bool:
+    """Whether ``module`` is a plain or peft LoRA linear layer whose weight is an ordinary
+    floating-point tensor (not quantised) and whose LoRA delta is exactly ``get_delta_weight``
+    (no DoRA, no LoRA bias)."""
+    base = module.get_base_layer() if _is_lora(module) else module
+    weight = getattr(base, "weight", None)
+    if not isinstance(base, torch.nn.Linear) or weight is None or not weight.is_floating_point():
+        return False
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor):  # e.g. bitsandbytes' Params4bit
+        return False
+    if _is_lora(module):
+        for name in module.active_adapters:
+            if module.use_dora.get(name, False) or getattr(module, "lora_bias", {}).get(name, False):
+                return False
+    return True
+
+
+class FusedLinear(torch.nn.Module):
+    """A linear layer over a copy of one or more projections' weights, concatenated along the
+    output dimension, with each source's active LoRA delta merged in (``W + scaling * B @ A``,
+    rounded once to the model's dtype). :meth:`refresh` re-reads the sources (after optimizer
+    steps); the copy keeps its address, so a captured graph sees the new values."""
+
+    def __init__(self, sources: list[Any]) -> None:
+        super().__init__()
+        bases = [m.get_base_layer() if _is_lora(m) else m for m in sources]
+        w0 = bases[0].weight
+        self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
+        self.sources = list(sources)  # a plain list: not submodules of this view
+        self.register_buffer("weight", torch.empty(sum(self.sizes), w0.shape[1], dtype=w0.dtype, device=w0.device))
+        has_bias = any(b.bias is not None for b in bases)
+        self.register_buffer("bias", torch.zeros(sum(self.sizes), dtype=w0.dtype, device=w0.device) if has_bias else None)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        row = 0
+        for module, n in zip(self.sources, self.sizes):
+            base = module.get_base_layer() if _is_lora(module) else module
+            target = self.weight[row : row + n]
+            delta = None
+            if _is_lora(module) and not module.disable_adapters and not module.merged:
+                for name in module.active_adapters:
+                    if name in module.lora_A:
+                        d = module.get_delta_weight(name).float()
+                        delta = d if delta is None else delta + d
+            if delta is None:
+                target.copy_(base.weight)
+            else:
+                target.copy_(base.weight.float() + delta)
+            if self.bias is not None:
+                if base.bias is None:
+                    self.bias[row : row + n].zero_()
+                else:
+                    self.bias[row : row + n].copy_(base.bias)
+            row += n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _MergedAttention(torch.nn.Module):
+    def __init__(self, attn: Any) -> None:
+        super().__init__()
+        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_sizes = self.qkv_proj.sizes
+        self.o_proj = FusedLinear([attn.o_proj])
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+
+class _MergedMLP(torch.nn.Module):
+    def __init__(self, mlp: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = FusedLinear([mlp.down_proj])
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class MergedLayer(torch.nn.Module):
+    """What the decode loop reads of one decoder layer, with the projections replaced by
+    :class:`FusedLinear` copies (q/k/v fused, gate/up fused, LoRA merged); the norms are the
+    layer's own modules."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.self_attn = _MergedAttention(layer.self_attn)
+        self.mlp = _MergedMLP(layer.mlp)
+
+    def refresh(self) -> None:
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.refresh()
+
+
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def merged_layers_supported(parts: "DecoderParts") -> str | None:
+    """None if every layer can be decoded from merged, fused copies; else the reason why not."""
+    for layer in parts.layers:
+        for owner_name, names in _PROJECTIONS:
+            owner = getattr(layer, owner_name, None)
+            for name in names:
+                module = getattr(owner, name, None)
+                if module is None or not _mergeable(module):
+                    return f"{owner_name}.{name} is not a plain or LoRA linear layer over a floating-point weight"
+        if not hasattr(layer.mlp, "act_fn"):
+            return "the MLP has no act_fn"
+    return None
+
+
+def has_lora(parts: "DecoderParts") -> bool:
+    """Whether any decoder layer carries a peft LoRA layer."""
+    return any(_is_lora(m) for layer in parts.layers for m in layer.modules())
+
+
 # -- sampling ------------------------------------------------------------------------------------
 
 
@@ -165,9 +299,13 @@ def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, part
     """Projections with RoPE for hidden states ``h`` (B, Q, H) -> q (B, Hq, Q, D), k/v (B, Hkv, Q, D)."""
     attn = layer.self_attn
     B, Q, _ = h.shape
-    q = attn.q_proj(h).view(B, Q, parts.num_heads, parts.head_dim)
-    k = attn.k_proj(h).view(B, Q, parts.num_kv_heads, parts.head_dim)
-    v = attn.v_proj(h).view(B, Q, parts.num_kv_heads, parts.head_dim)
+    if hasattr(attn, "qkv_proj"):  # a MergedLayer: one product for q, k and v
+        q, k, v = attn.qkv_proj(h).split(attn.qkv_sizes, dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q = q.view(B, Q, parts.num_heads, parts.head_dim)
+    k = k.view(B, Q, parts.num_kv_heads, parts.head_dim)
+    v = v.view(B, Q, parts.num_kv_heads, parts.head_dim)
     if getattr(attn, "q_norm", None) is not None:  # qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -371,8 +509,14 @@ class StaticDecoder:
         check_every: decode steps between checks whether every row has finished (one host sync).
         stop_at_eos: False keeps sampling past EOS (benchmarks that want full-length completions).
         max_graphs: graphs (with their KV caches) kept at once, least recently used dropped first.
-        release_cache: drop every graph and KV cache at the end of each ``generate``.
+        release_cache: drop every graph and KV cache (and merged weights) at the end of each
+            ``generate``.
         compile_backend: the ``torch.compile`` backend (``aot_eager`` in CPU tests).
+        merge_weights: decode from :class:`MergedLayer` copies of the projection weights (LoRA
+            deltas merged, q/k/v and gate/up fused), refreshed before each ``generate``; costs one
+            copy of those weights. None (auto): on for a LoRA model whose layers allow it, where
+            the adapters' separate small products (float32 under peft) otherwise dominate a
+            decode step.
     """
 
     def __init__(
@@ -390,6 +534,7 @@ class StaticDecoder:
         max_graphs: int = 2,
         release_cache: bool = False,
         compile_backend: str = "inductor",
+        merge_weights: bool | None = None,
     ) -> None:
         self.model = model
         self.parts = check_supported(model)
@@ -407,6 +552,13 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
+        self._merged: list[MergedLayer] | None = None
+        reason = merged_layers_supported(self.parts)
+        if merge_weights is None:
+            merge_weights = reason is None and has_lora(self.parts)
+        elif merge_weights and reason is not None:
+            raise UnsupportedModelError(f"generator 'static': merge_weights needs mergeable layers, but {reason}")
+        self.merge_weights = merge_weights
 
     # -- graphs ---------------------------------------------------------------------------------
 
@@ -428,7 +580,7 @@ class StaticDecoder:
             self._compiled_step = fn
         return self._compiled_step
 
-    def _graph(self, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype) -> _Graph:
+    def _graph(self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype) -> _Graph:
         key = (B, P, T)
         if key in self._graphs:
             self._graphs[key] = self._graphs.pop(key)  # most recently used last
@@ -436,11 +588,11 @@ class StaticDecoder:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
         st = DecodeState.allocate(
-            self.parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
+            parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
         )
         st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
         step = self._step_fn()
-        args = (self.parts, st, self.sampling, self.pad_id, self.stop_at_eos)
+        args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
         if device.type == "cuda" and self.cuda_graph:
             # Warm up (and compile) on a side stream, then capture one step. The counters the
             # warm-up advanced are reset by every generate() before the first replay.
@@ -455,9 +607,17 @@ class StaticDecoder:
             st.cur.zero_()
             st.step.zero_()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(*args)
-            entry = _Graph(st, graph.replay)
+            try:
+                with torch.cuda.graph(graph):
+                    step(*args)
+                entry = _Graph(st, graph.replay)
+            except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
+                logger.warning(
+                    "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
+                    "without a graph from now on", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+                self.cuda_graph = False
+                entry = _Graph(st, lambda: step(*args))
         else:
             entry = _Graph(st, lambda: step(*args))
         self._graphs[key] = entry
@@ -466,6 +626,23 @@ class StaticDecoder:
     def clear(self) -> None:
         """Drop every graph and cache (e.g. after the model's parameters were replaced)."""
         self._graphs.clear()
+
+    def _decode_parts(self) -> DecoderParts:
+        """The parts the decode loop reads: the model's own, or merged copies brought up to date
+        with the current weights."""
+        if not self.merge_weights:
+            return self.parts
+        if self._merged is None:
+            self._merged = [MergedLayer(layer) for layer in self.parts.layers]
+            extra = sum(b.numel() * b.element_size() for m in self._merged for b in m.buffers())
+            logger.info(
+                "generator 'static': decoding from merged, fused copies of the projection weights (%.2f GiB)",
+                extra / 2**30,
+            )
+        else:
+            for layer in self._merged:
+                layer.refresh()
+        return dataclasses.replace(self.parts, layers=self._merged)
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -494,7 +671,8 @@ class StaticDecoder:
                 f"generator 'static': prompt + completion ({P + T} tokens) exceed the model's "
                 f"sliding window ({window}); use generator: transformers"
             )
-        graph = self._graph(B, P, T, device, dtype)
+        parts = self._decode_parts()
+        graph = self._graph(parts, B, P, T, device, dtype)
         st = graph.state
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
@@ -509,7 +687,7 @@ class StaticDecoder:
         was_training = self.model.training
         self.model.eval()  # no dropout (LoRA) while sampling
         try:
-            logits = prefill(self.parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
+            logits = prefill(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
             st.key_valid[:, :P] = valid
             st.key_valid[:, P:] = True
             st.done.zero_()
@@ -548,6 +726,7 @@ class StaticDecoder:
             is_eos = torch.zeros_like(tokens, dtype=torch.bool)
         if self.release_cache:
             self.clear()
+            self._merged = None
         tokens, mask, truncated, _ = cut_at_eos(tokens, is_eos, self.pad_id)  # (n, T) (n, T) (n,)
         logps = logps[:, : mask.shape[1]].masked_fill(mask == 0, 0.0)
         return tokens, mask, truncated, logps

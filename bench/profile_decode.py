@@ -134,7 +134,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         record["graph_replay"] = _kernel_table(prof, args.profile_steps)
         # The same step without the graph: kernel launches issued by the host.
         step = dec._step_fn()
-        call = functools.partial(step, dec.parts, st, dec.sampling, dec.pad_id, False)
+        call = functools.partial(step, dec._decode_parts(), st, dec.sampling, dec.pad_id, False)
         with torch.no_grad():
             rewind()
             call()

@@ -407,8 +407,9 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
         "setup_s": setup_s,
         "after_setup_allocated_gib": gib(after_setup["allocated"]),
         "setup_peak_gib": gib(setup_peak),
-        "peak_gib": gib(run_peak),
-        "reserved_peak_gib": gib(run_reserved_peak),
+        # Each phase resets the peak counters, so the run's peak is the largest phase peak.
+        "peak_gib": max([gib(run_peak), *(c["allocated_peak_gib"] for c in measured)]),
+        "reserved_peak_gib": max([gib(run_reserved_peak), *(c["reserved_peak_gib"] for c in measured)]),
         "step_s": median(step_times[args.warmup:]),
         "step_times": step_times,
         "parts": {**parts, "gradients_gib": max(grads_gib, default=0.0)},

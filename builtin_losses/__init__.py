@@ -22,6 +22,8 @@ def register_loss_types(register: Any) -> None:
     register(loss_types.DAPO, name="dapo")
     register(loss_types.CISPO, name="cispo")
     register(loss_types.SAPO, name="sapo")
+    register(loss_types.LUSPO, name="luspo")
+    register(loss_types.VESPO, name="vespo")
 
 
 @hookimpl

@@ -96,3 +96,64 @@ class SAPO(GRPO):
         a = inputs.advantages
         tau = torch.where(a > 0, a.new_tensor(self.params.temperature_pos), a.new_tensor(self.params.temperature_neg))
         return -((tau * (inputs.ratio - 1)).sigmoid() * 4 / tau) * a
+
+
+class LUSPO(LossType):
+    """Length-Unbiased Sequence Policy Optimization: GRPO's clipped surrogate, each sequence's
+    token losses *summed* (a sequence weighs by its length), mean over sequences, / accumulation
+    steps. Meant for ``importance_sampling_level: sequence`` (a GSPO variant)."""
+
+    def reduce(self, per_token_loss: Tensor, inputs: LossInputs) -> Tensor:
+        per_sequence = (per_token_loss * inputs.mask).sum(-1)  # (B,)
+        return per_sequence.mean() / inputs.gradient_accumulation_steps
+
+
+class VESPO(DAPO):
+    """Variational Sequence-Level Soft Policy Optimization: ``-φ(w) · A · logp`` with the
+    detached Gamma weight φ(w) = e^λ · w^k · e^(-λw) of the sequence ratio
+    w = exp(Σ_t clamp(log r_t, ±20) [+ Σ_t log ρ_t]) (ρ: the rollout correction's token weights,
+    folded in here instead of multiplied), (k, λ) = (k_pos, λ_pos) for A ≥ 0 else (k_neg, λ_neg);
+    dapo's reduction. Uses the per-token log-ratios whatever ``importance_sampling_level`` is."""
+
+    applies_rollout_correction = True
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        k_pos: float = Field(2.0, description="Power k for A >= 0 (down-weights ratios < 1).")
+        lambda_pos: float = Field(3.0, description="Decay λ for A >= 0 (down-weights ratios > 1).")
+        k_neg: float = Field(3.0, description="Power k for A < 0.")
+        lambda_neg: float = Field(2.0, description="Decay λ for A < 0.")
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def gamma_weights(self, inputs: LossInputs) -> Tensor:
+        """φ(w) per sequence, (B, 1), detached; 0 where it is not finite."""
+        import math
+
+        import torch
+
+        p = self.params
+        with torch.no_grad():
+            lower = math.log(1e-8)
+            seq = (inputs.log_ratio.clamp(-20.0, 20.0) * inputs.mask).sum(-1, keepdim=True)  # (B, 1)
+            rho = inputs.rollout_weights
+            if rho is not None:
+                if rho.shape[-1] != inputs.mask.shape[-1]:
+                    raise GRPOPluginsError(
+                        "loss_type 'vespo' needs a token-level rollout correction (token_truncate or "
+                        "token_mask), as in TRL; set rollout_correction accordingly"
+                    )
+                seq = seq + rho.log().clamp(lower, 20.0).sum(-1, keepdim=True)
+            log_w = seq.clamp(lower, 20.0)  # (B, 1)
+            nonneg = inputs.advantages >= 0
+            k = torch.where(nonneg, log_w.new_tensor(p.k_pos), log_w.new_tensor(p.k_neg))
+            lam = torch.where(nonneg, log_w.new_tensor(p.lambda_pos), log_w.new_tensor(p.lambda_neg)).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+            return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def per_token_loss(self, inputs: LossInputs) -> Tensor:
+        return -self.gamma_weights(inputs) * inputs.advantages * inputs.per_token_logps
+
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
+        return {"vespo/phi_seq_mean": self.gamma_weights(inputs)}  # (B, 1)

@@ -143,8 +143,11 @@ def save_checkpoint(
     save_total_limit: int | None,
     scaler: Any = None,
     master_weights: Any = None,
+    ref_model: Any = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically (every process calls this) and prune old ones.
+
+    ``ref_model`` (with ``sync_ref_model``, where the reference changes) is saved too.
 
     Args:
         model: the unwrapped model (a peft model saves its adapter only).
@@ -182,6 +185,8 @@ def save_checkpoint(
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
         if master_weights is not None:
             torch.save(master_weights.state_dict(), tmp / "master_weights.pt")
+        if ref_model is not None:  # sync_ref_model: the reference moves during training
+            torch.save(ref_model.state_dict(), tmp / "ref_model.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         trash = root / f".old-checkpoint-{step}"
@@ -241,6 +246,7 @@ def load_checkpoint(
     scheduler: Any,
     scaler: Any = None,
     master_weights: Any = None,
+    ref_model: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """Load weights, optimizer and scheduler state in place.
 
@@ -261,6 +267,8 @@ def load_checkpoint(
             master_weights.load_state_dict(torch.load(masters, map_location="cpu", weights_only=False))
         else:  # saved without master weights: start them from the saved 16-bit weights
             master_weights.params_to_masters()
+    if ref_model is not None and (path / "ref_model.pt").is_file():
+        ref_model.load_state_dict(torch.load(path / "ref_model.pt", map_location="cpu", weights_only=True))
     rank = accelerator.process_index
     rng_file = path / f"rng_state_{rank}.pt"
     rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None

@@ -278,6 +278,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from grpo_plugins.config import ConfigError, load_config
     from grpo_plugins.validation import check_config
 
+    _show_info_logs()  # the "TRL key ..." lines of a TRL GRPOConfig's keys
     config = load_config(args.config, args.set)
     check = check_config(config, num_processes=args.num_processes)
     if check.problems:
@@ -447,6 +448,30 @@ def _print_eval(result: Any) -> None:
         f"max_completion_length); greedy {result.greedy_mean_length:.1f}. pass@k: rewards that scored only 0 and 1."
     )
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from grpo_plugins.export import export
+
+    _show_info_logs()
+    result = export(
+        args.source, args.out, gguf=args.gguf, gguf_type=args.gguf_type, dtype=args.dtype, overwrite=args.overwrite
+    )
+    console = _console()
+    merged = "LoRA adapter merged" if result.merged_lora else "full weights"
+    console.print(f"exported {result.checkpoint} ({merged})", soft_wrap=True)
+    if result.out is not None:
+        console.print(f"[green]transformers checkpoint ({result.dtype}): {result.out}[/green]", soft_wrap=True)
+    if result.gguf is not None:
+        console.print(f"[green]GGUF ({args.gguf_type}): {result.gguf}[/green]", soft_wrap=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpo_plugins.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    _console().print(f"[green]report: {path}[/green]", soft_wrap=True)
+    return 0
+
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is at the time (it may be replaced after set-up)."""
@@ -477,8 +502,8 @@ def _show_info_logs() -> None:
 def render_config_reference() -> str:
     """docs/config.md: every config key with its type, default and description, from the models."""
     from grpo_plugins.config import (
-        CONFIG_ALIASES,
         CONFIG_SECTIONS,
+        SEED_ALIASES,
         ComponentRef,
         DatasetSpec,
         GRPOConfig,
@@ -511,8 +536,9 @@ def render_config_reference() -> str:
         "`--set model.dtype=bfloat16`, `--set rewards.0.weight=0.5`). Unknown keys are errors with a",
         "suggestion. `grpo-plugins validate CONFIG` checks a file completely without loading a model.",
         "",
-        f"Aliases: {', '.join(f'`{a}`' for a in CONFIG_ALIASES)} (for `per_device_train_batch_size` and",
+        f"Aliases: {', '.join(f'`{a}`' for a in SEED_ALIASES)} (for `per_device_train_batch_size` and",
         "`gradient_accumulation_steps`). `scale_rewards: true` means `group`, `false` means `none`.",
+        "Every key of TRL 1.16's `GRPOConfig` is accepted too: [trl.md](trl.md) says what each one does here.",
         "A component key (`loss_type`, `importance_sampling_level`, `scale_rewards`,",
         "`rollout_correction`, `generator`, `task`) takes a registered name, `distribution:name`, or a",
         "mapping `{name: ..., params: {...}}` whose params the component's own model validates",
@@ -532,11 +558,20 @@ def render_config_reference() -> str:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    text = render_config_reference()
+    return _write_reference(render_config_reference(), args, "config-reference")
+
+
+def cmd_trl_reference(args: argparse.Namespace) -> int:
+    from grpo_plugins.trl_compat import trl_table_markdown
+
+    return _write_reference(trl_table_markdown(), args, "trl-reference")
+
+
+def _write_reference(text: str, args: argparse.Namespace, command: str) -> int:
     if args.check:
         current = Path(args.output).read_text(encoding="utf-8") if Path(args.output).exists() else ""
         if current != text:
-            raise GRPOPluginsError(f"{args.output} is out of date; run grpo-plugins config-reference --output {args.output}")
+            raise GRPOPluginsError(f"{args.output} is out of date; run grpo-plugins {command} --output {args.output}")
         return 0
     if args.output in (None, "-"):
         sys.stdout.write(text)
@@ -629,10 +664,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_set(p)
     p.set_defaults(func=cmd_eval)
 
+    p = command("export", "write a trained policy as a transformers checkpoint (LoRA merged) and/or a GGUF file")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run's output directory (its latest checkpoint) or a checkpoint")
+    p.add_argument("--out", metavar="DIR", help="folder for the merged transformers checkpoint")
+    p.add_argument("--gguf", metavar="FILE", help="also (or only) write a GGUF file for llama.cpp / Ollama")
+    p.add_argument("--gguf-type", choices=["f16", "bf16", "q8_0"], default="f16", help="GGUF weight type (default f16)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype of the transformers checkpoint (default: the run's dtype; float32 for auto)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder or --gguf file")
+    p.set_defaults(func=cmd_export)
+
+    p = command("report", "write a self-contained HTML report of a run (curves, config, sample completions)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output directory")
+    p.add_argument("--out", metavar="FILE.html", help="where to write it (default: RUN_DIR/report.html)")
+    p.set_defaults(func=cmd_report)
+
     p = command("config-reference", "print (or write) the config reference in Markdown")
     p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
     p.add_argument("--check", action="store_true", help="exit 2 if --output is not up to date")
     p.set_defaults(func=cmd_config_reference)
+    p = command("trl-reference", "print (or write) docs/trl.md: every TRL GRPOConfig key and what it does here")
+    p.add_argument("--output", "-o", default=None, help="file to write (default: stdout)")
+    p.add_argument("--check", action="store_true", help="exit 2 if --output is not up to date")
+    p.set_defaults(func=cmd_trl_reference)
     return parser
 
 
@@ -656,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "config-reference" and args.check and args.output is None:
+    if args.command in ("config-reference", "trl-reference") and args.check and args.output is None:
         parser.error("--check needs --output")
     previous = warnings.showwarning
     warnings.showwarning = _warnings_printer(previous)

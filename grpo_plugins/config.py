@@ -91,6 +91,10 @@ class ModelSpec(_Strict):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a cached model.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped with the checkpoint.")
     attn_implementation: str | None = Field(None, description="transformers attention backend (eager, sdpa, flash_attention_2); None: its default.")
+    init_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More keyword arguments for from_pretrained (TRL's model_init_kwargs other than dtype, attn_implementation, revision, trust_remote_code).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -119,6 +123,10 @@ class GRPOConfig(_Strict):
     dtype: DType = Field("auto", description="bfloat16, float16 (with loss scaling), float32; auto: bf16 on GPUs that support it, else fp32.")
     lora: LoraSettings | None = Field(None, description="LoRA adapter settings; null trains all weights.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more time.")
+    disable_dropout: bool = Field(False, description="Set every dropout probability of the model (and of LoRA adapters) to 0, as TRL does.")
+    cast_lm_head_to_fp32: bool = Field(
+        False, description="Keep the LM head's weights in float32 and compute the logits in float32 (ScaleRL); not with LoRA on the head."
+    )
     activation_offload: bool = Field(
         False,
         description="With gradient_checkpointing: keep each checkpointed layer's input hidden states in (pinned) CPU memory instead of on the device, copied back for the backward pass (Unsloth's offloaded checkpointing). Frees layers x tokens x hidden x 2 bytes of device memory per forward; costs two host-device copies per layer.",
@@ -152,8 +160,30 @@ class GRPOConfig(_Strict):
     vllm_importance_sampling_correction: bool | Literal["auto"] = Field(
         "auto", description="Truncated importance sampling; auto: on when the generator is not the trained model itself."
     )
-    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="TIS cap C.")
+    vllm_importance_sampling_cap: float | None = Field(2.0, gt=0, description="TIS cap C (upper bound of the ratio); None: no upper bound (mask variants with a clip_min).")
     rollout_correction: str | ComponentRef = Field("token_truncate", description="Which correction TIS applies (a plugin name).")
+    use_bias_correction_kl: bool = Field(
+        False, description="Multiply the KL term by the importance ratio (DeepSeek-V3.2's unbiased KL gradient). TRL 1.16 defaults to true; false keeps the plain k3 term."
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None, gt=0, description="Drop sequences with negative advantage whose mean KL(sampler || policy) exceeds this (DeepSeek-V3.2); None: off."
+    )
+    top_entropy_quantile: float = Field(
+        1.0, ge=0, le=1, description="Train the policy term only on the top quantile of tokens by entropy (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps all."
+    )
+    entropy_coef: float = Field(0.0, description="Entropy bonus: loss -= entropy_coef x mean token entropy; the start value with use_adaptive_entropy.")
+    use_adaptive_entropy: bool = Field(
+        False, description="Skywork-OR1's control: after each optimizer step entropy_coef rises by entropy_coef_delta when the entropy is at or below entropy_target, else falls; applied only while the entropy is at or below the target."
+    )
+    entropy_coef_min: float = Field(0.0, description="Lower bound of the adaptive entropy coefficient.")
+    entropy_coef_max: float = Field(1.0, description="Upper bound of the adaptive entropy coefficient.")
+    entropy_coef_delta: float = Field(0.005, ge=0, description="Step of the adaptive entropy coefficient.")
+    entropy_target: float = Field(0.2, description="Target mean token entropy (nats) of adaptive entropy control.")
+    sync_ref_model: bool = Field(
+        False, description="Every ref_model_sync_steps optimizer steps, mix the policy into the reference: ref = alpha x policy + (1 - alpha) x ref (TR-DPO). Needs beta > 0."
+    )
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1, description="alpha of sync_ref_model.")
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs (sync_ref_model).")
 
     # -- generation -----------------------------------------------------------------------------
     generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere.")
@@ -166,14 +196,24 @@ class GRPOConfig(_Strict):
     max_completion_length: int = Field(256, ge=1, description="Most tokens generated per completion; longer ones are truncated.")
     max_prompt_length: int | None = Field(512, ge=1, description="Most prompt tokens (see prompt_truncation); None: no limit.")
     prompt_truncation: Literal["error", "left"] = Field("error", description="Prompts over max_prompt_length: reject, or keep the last tokens.")
+    generation_kwargs: dict[str, Any] | None = Field(
+        None, description="More sampling arguments for the generator (transformers: GenerationConfig; vllm: SamplingParams); they override the ones above. Not with the static generator."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Keyword arguments for the tokenizer's apply_chat_template on chat prompts (e.g. {enable_thinking: false})."
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, description="Pad each training and log-prob input (prompt + completion) to a multiple of this many tokens; None: no extra padding."
+    )
 
     # -- batching -------------------------------------------------------------------------------
     per_device_train_batch_size: int = Field(8, ge=1, description="Completions per process per micro-step (alias train_batch_size).")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer update (alias gradient_accumulation).")
     steps_per_generation: int | None = Field(None, ge=1, description="Micro-steps per generation; None: gradient_accumulation_steps.")
-    generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation).")
+    generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation; both may be given when they agree, as TRL's GRPOConfig fills in both).")
     num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
+    shuffle_dataset: bool = Field(True, description="Shuffle the prompts (a fresh seeded order each epoch); false: dataset order.")
 
     # -- optimisation ---------------------------------------------------------------------------
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
@@ -222,6 +262,10 @@ class GRPOConfig(_Strict):
         default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks besides the console."
     )
     log_completions: bool = Field(False, description="Write sampled completions to completions.jsonl.")
+    num_completions_to_print: int | None = Field(
+        None, ge=0, description="With log_completions: also print this many completions (prompt, completion, rewards, advantage) of each generation batch on stderr; None: none printed (TRL: all)."
+    )
+    log_unique_prompts: bool = Field(False, description="With log_completions: print one completion per prompt only.")
     on_nonfinite: Literal["skip", "stop"] = Field("stop", description="A NaN/inf reward, advantage, loss or gradient: skip that optimizer step, or stop naming the step and the component (docs/failures.md).")
     disable_plugins: list[str] = Field(default_factory=list, description="Distributions whose plugins are not loaded.")
 
@@ -232,7 +276,10 @@ class GRPOConfig(_Strict):
     def _aliases(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = dict(data)
+        from grpo_plugins.trl_compat import log_notes, translate_trl_keys
+
+        data, notes = translate_trl_keys(data)  # TRL GRPOConfig keys -> this project's form
+        log_notes(notes)
         for alias, name in (("train_batch_size", "per_device_train_batch_size"), ("gradient_accumulation", "gradient_accumulation_steps")):
             if alias in data:
                 if name in data and data[name] != data[alias]:
@@ -287,8 +334,31 @@ class GRPOConfig(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _objective(self) -> GRPOConfig:
+        if self.sync_ref_model and self.beta == 0.0:
+            raise FieldError(
+                "sync_ref_model",
+                "sync_ref_model needs beta > 0: with beta 0 no reference model is loaded, so there is nothing to sync",
+            )
+        if self.sync_ref_model and self.lora is not None:
+            raise FieldError(
+                "sync_ref_model",
+                "sync_ref_model does not work with LoRA: the reference is the base model with the adapter disabled, "
+                "so there is no separate reference to mix the policy into (TRL refuses this too). Train all weights "
+                "(lora: null) or set sync_ref_model: false",
+            )
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise FieldError("entropy_coef_min", "entropy_coef_min must not exceed entropy_coef_max")
+        return self
+
+    @model_validator(mode="after")
     def _batching(self) -> GRPOConfig:
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            # TRL's GRPOConfig fills in both (one derived from the other); accept that pair.
+            processes = self.num_processes or int(os.environ.get("WORLD_SIZE", "1") or 1)
+            if self.generation_batch_size == self.steps_per_generation * self.per_device_train_batch_size * processes:
+                object.__setattr__(self, "generation_batch_size", None)
+                return self
             raise FieldError(
                 "generation_batch_size",
                 "steps_per_generation and generation_batch_size are mutually exclusive; set only one",
@@ -373,8 +443,19 @@ CONFIG_SECTIONS: dict[str, str] = {
 
 # -- loading: YAML, --set overrides, readable errors -------------------------------------------
 
-#: Top-level keys accepted besides the field names (see ``GRPOConfig._aliases``).
-CONFIG_ALIASES = ("train_batch_size", "gradient_accumulation")
+#: The seed's aliases of two fields (see ``GRPOConfig._aliases``).
+SEED_ALIASES = ("train_batch_size", "gradient_accumulation")
+
+
+def _accepted_aliases() -> tuple[str, ...]:
+    from grpo_plugins.trl_compat import TRL_KEYS
+
+    return (*SEED_ALIASES, *(k for k in TRL_KEYS if k not in GRPOConfig.model_fields))
+
+
+#: Top-level keys accepted besides the field names (see ``GRPOConfig._aliases``): two seed
+#: aliases and TRL's GRPOConfig keys (grpo_plugins.trl_compat).
+CONFIG_ALIASES = _accepted_aliases()
 
 
 def load_config(

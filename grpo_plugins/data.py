@@ -272,7 +272,8 @@ def prepare_dataset(
     if len(dataset) == 0:
         raise TrainingError("the dataset is empty")
     check_prompt_lengths(
-        tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation
+        tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+        chat_template_kwargs=config.chat_template_kwargs,
     )
     return dataset, task, column
 
@@ -284,6 +285,7 @@ def check_prompt_lengths(
     max_prompt_length: int | None,
     truncation: str,
     limit: int = PROMPT_CHECK_LIMIT,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Raise :class:`~grpo_plugins.data.PromptTooLongError` listing every prompt (of the first
     ``limit``) over ``max_prompt_length`` tokens, when ``truncation`` is ``error``."""
@@ -295,7 +297,9 @@ def check_prompt_lengths(
     for start in range(0, n, chunk):
         batch = list(prompts[start : min(n, start + chunk)])  # one slice: fast on a datasets Column
         try:
-            encoded = encode_prompts(tokenizer, batch, max_prompt_length=None, truncation="error")
+            encoded = encode_prompts(
+                tokenizer, batch, max_prompt_length=None, truncation="error", chat_template_kwargs=chat_template_kwargs
+            )
         except DataError:
             _raise_with_row(tokenizer, batch, start)
             raise
@@ -329,6 +333,7 @@ def encode_prompts(
     *,
     max_prompt_length: int | None,
     truncation: Literal["error", "left"] = "error",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[int]]:
     """Token ids of each prompt.
 
@@ -349,7 +354,9 @@ def encode_prompts(
                     "prompts are chat messages but the tokenizer has no chat template; use a "
                     "tokenizer with one (model.tokenizer) or plain-text prompts"
                 )
-            text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                list(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            )
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise DataError(f"prompt {index} is empty after tokenization")

@@ -201,7 +201,8 @@ class Engine:
         compiled = self.compiled_layers
         policy = Policy(
             self.model, self.unwrapped, self.ref_model, self.is_peft, functools.partial(layers_active, compiled),
-            compiled.chunk_logps if compiled is not None else None, multiple=8 if compiled is not None else 1,
+            compiled.chunk_logps if compiled is not None else None,
+            multiple=math.lcm(8 if compiled is not None else 1, cfg.pad_to_multiple_of or 1),
         )
         reg = self.registry
         self.rollouts = RolloutMaker(
@@ -231,6 +232,10 @@ class Engine:
         cfg, acc = self.config, self.accelerator
         model, self.tokenizer = models.policy_and_tokenizer(cfg, self._given_model, self._given_tokenizer, acc.device)
         self.is_peft = models.is_peft_model(model)
+        if cfg.disable_dropout:
+            models.disable_dropout(model)
+        if cfg.cast_lm_head_to_fp32:
+            models.cast_lm_head_to_fp32(model)
         if cfg.beta != 0.0 and not self.is_peft:
             # Full fine-tuning: the reference is a frozen copy of the starting weights.
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(acc.device)
@@ -365,6 +370,9 @@ class Engine:
         assert self.update is not None
         record = self.update.optimizer_step(rollout, window, window_items, self.global_step + 1)
         self.global_step += 1
+        cfg = self.config
+        if cfg.sync_ref_model and self.ref_model is not None and self.global_step % cfg.ref_model_sync_steps == 0:
+            sync_reference(self.ref_model, self.unwrapped, cfg.ref_model_mixup_alpha)
         self.generator.on_weights_updated(self.unwrapped)
         return record
 
@@ -392,8 +400,11 @@ class Engine:
             return 0, 0, None, [], None
         state, rng, saved = load_checkpoint(
             path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, scaler=acc.scaler,
-            master_weights=self.master,
+            master_weights=self.master, ref_model=self.ref_model if self.config.sync_ref_model else None,
         )
+        if "entropy_control" in state:
+            assert self.update is not None
+            self.update.entropy.load_state_dict(state["entropy_control"])
         self.global_step, self.num_tokens = state["global_step"], state["num_tokens"]
         if "generator" in state and hasattr(self.generator, "load_state_dict"):
             self.generator.load_state_dict(state["generator"])
@@ -423,15 +434,25 @@ class Engine:
         }
         if hasattr(self.generator, "state_dict"):
             state["generator"] = self.generator.state_dict()
+        if self.update is not None and self.update.entropy.enabled:
+            state["entropy_control"] = self.update.entropy.state_dict()
         path = save_checkpoint(
             acc, self.output_dir, self.global_step, model=self.unwrapped, tokenizer=self.tokenizer,
             optimizer=self.optimizer, scheduler=self.scheduler, rng_state=rng if rng is not None else capture_rng(),
             rollout=rollout.to_state() if rollout is not None else None, state=state,
             config_yaml=self.config.to_yaml(), save_total_limit=self.config.save_total_limit, scaler=acc.scaler,
-            master_weights=self.master,
+            master_weights=self.master, ref_model=self.ref_model if self.config.sync_ref_model else None,
         )
         self.guard.last_checkpoint = path
         return path
+
+
+def sync_reference(ref_model: Any, policy: Any, alpha: float) -> None:
+    """TR-DPO's reference update (``sync_ref_model``): ref = alpha * policy + (1 - alpha) * ref,
+    parameter by parameter (TRL's SyncRefModelCallback)."""
+    with torch.no_grad():
+        for ref_p, p in zip(ref_model.parameters(), policy.parameters(), strict=True):
+            ref_p.mul_(1.0 - alpha).add_(p.detach().to(ref_p.dtype), alpha=alpha)
 
 
 def run_training(

@@ -93,6 +93,10 @@ class LossInputs:
     num_items_in_batch: Tensor | None = None
     num_processes: int = 1
     gradient_accumulation_steps: int = 1
+    #: The rollout correction's weights ρ, (B, T) or (B, 1), detached, when the correction is on,
+    #: else None. The core multiplies them into the policy term unless the loss type says it
+    #: applies them itself (``applies_rollout_correction``).
+    rollout_weights: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,10 +138,13 @@ class LossType:
     * ``metrics`` returns per-token (B, T) or per-sequence (B, 1) values, each averaged over the
       active tokens (sequences) of the logged step; the default gives TRL's clip ratios.
 
-    A loss type that only changes normalisation overrides ``reduce`` alone.
+    A loss type that only changes normalisation overrides ``reduce`` alone. One that folds the
+    rollout correction into its own surrogate (VESPO) sets ``applies_rollout_correction = True``
+    and reads ``inputs.rollout_weights``; the core then does not multiply them in.
     """
 
     Params: ClassVar[type[BaseModel] | None] = None
+    applies_rollout_correction: ClassVar[bool] = False
 
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
         return clipped_surrogate(inputs)
@@ -204,6 +211,9 @@ class SamplingSettings:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: ``generation_kwargs``: more arguments for the backend's own sampling API (a backend that
+    #: supports them sets ``accepts_generation_kwargs = True``).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -228,6 +238,8 @@ class Generator:
     #: True when it samples with the trained model itself, so no sampler/trainer mismatch
     #: correction is needed (``vllm_importance_sampling_correction: auto`` stays off).
     samples_from_policy: ClassVar[bool] = True
+    #: True when it passes ``SamplingSettings.extra`` (``generation_kwargs``) to its sampler.
+    accepts_generation_kwargs: ClassVar[bool] = False
     #: The run's registry, set by the engine before ``setup``: a backend that builds another
     #: generator (a fallback) builds it from there, so ``disable_plugins`` applies to it too.
     registry: Any = None

@@ -75,16 +75,23 @@ def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
 
 def chunk_logps(
     hidden: Tensor, targets: Tensor, head: torch.nn.Module, transform: Callable[[Tensor], Tensor],
-    with_entropy: bool,
+    with_entropy: bool | str,
 ) -> tuple[Tensor, Tensor]:
-    """One chunk: hidden (N, H), targets (N,) -> log-probs (N,), entropy (N,) (zeros if off)."""
+    """One chunk: hidden (N, H), targets (N,) -> log-probs (N,), entropy (N,) (zeros if off).
+
+    ``with_entropy``: False, True (detached, a metric) or ``"grad"`` (carries the gradient: the
+    entropy bonus)."""
     logits = head(hidden)  # (N, V): one chunk only
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logits = transform(logits)
     logz = torch.logsumexp(logits, dim=-1)  # (N,)
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # (N,)
-    if with_entropy:
+    if with_entropy == "grad":
+        # The entropy bonus: the same (N, V) chunk, now with a graph (recomputed in backward).
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        entropy = logz - (probs * logits).sum(-1)  # (N,)
+    elif with_entropy:
         # A metric, so no graph: recomputation in backward then keeps only the logits' graph.
         with torch.no_grad():
             probs = torch.softmax(logits, dim=-1)  # (N, V)
@@ -101,7 +108,7 @@ def chunked_selective_logps(
     transform: Callable[[Tensor], Tensor] = lambda x: x,
     *,
     chunk_size: int = 1024,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
     chunk_fn: ChunkFn | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``targets`` under ``transform(head(hidden))``, a chunk at a time.
@@ -112,7 +119,8 @@ def chunked_selective_logps(
         head: the LM head (any module mapping H -> V; a LoRA-wrapped head works).
         transform: applied to each chunk's float32 logits (scaling, soft-capping, temperature).
         chunk_size: rows x tokens per chunk.
-        with_entropy: also return the (detached) entropy of each position's distribution.
+        with_entropy: also return the entropy of each position's distribution: True detached,
+            ``"grad"`` carrying the gradient (the entropy bonus).
         chunk_fn: computes one chunk (default :func:`chunk_logps`; a compiled version of it
             fuses the log-softmax, gather and entropy without (N, V) temporaries).
 
@@ -150,7 +158,7 @@ def _completion_logps_unwrapped(
     logits_to_keep: int,
     temperature: float,
     chunk_size: int,
-    with_entropy: bool,
+    with_entropy: bool | str,
     chunk_fn: ChunkFn | None,
 ) -> tuple[Tensor, Tensor | None]:
     lm = _causal_lm(model)
@@ -185,7 +193,7 @@ def completion_logps(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
     chunk_fn: ChunkFn | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropy) of the last ``logits_to_keep`` tokens of each row.
@@ -197,8 +205,8 @@ def completion_logps(
         logits_to_keep: T, the completion length.
         temperature: the sampling temperature; logits are divided by it as when sampling.
         chunk_size: rows x tokens per chunk of the log-softmax (memory: chunk_size x vocab).
-        with_entropy: also return the entropy of each position's sampling distribution
-            (detached: a metric).
+        with_entropy: also return the entropy of each position's sampling distribution:
+            True detached (a metric), ``"grad"`` carrying the gradient (the entropy bonus).
         chunk_fn: computes one chunk of the log-softmax (see :func:`chunked_selective_logps`).
 
     Returns:

@@ -371,6 +371,7 @@ def load_model(
         spec = ModelSpec.model_validate(dict(model))
     torch_dtype = resolve_dtype(dtype, device)
     common: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
+    extra = dict(spec.init_kwargs)  # TRL's model_init_kwargs (from_pretrained only)
     if spec.attn_implementation:
         common["attn_implementation"] = spec.attn_implementation
 
@@ -390,7 +391,7 @@ def load_model(
             tokenizer = load_tokenizer(tok_source, local=tok_local, trust_remote_code=spec.trust_remote_code)
             if spec.revision and not local:
                 common["revision"] = spec.revision
-            net = _from_pretrained(AutoModelForCausalLM, source, local, "model", dtype=torch_dtype, **common)
+            net = _from_pretrained(AutoModelForCausalLM, source, local, "model", dtype=torch_dtype, **common, **extra)
         if getattr(net.config, "pad_token_id", None) is None:
             net.config.pad_token_id = tokenizer.pad_token_id
         if quantization_bits is not None:
@@ -496,6 +497,43 @@ def policy_and_tokenizer(
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model, offload=config.activation_offload)
     return model, tokenizer
+
+
+def disable_dropout(model: Any) -> None:
+    """``disable_dropout``: every ``torch.nn.Dropout`` (LoRA's included) gets p = 0 (TRL's
+    ``disable_dropout_in_model``)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def cast_lm_head_to_fp32(model: Any) -> None:
+    """``cast_lm_head_to_fp32`` (ScaleRL, as TRL 1.16 does it): the LM head's weights become
+    float32 and it computes the logits in float32 from its input cast up; with tied embeddings
+    the embedding's output is cast back to the model's dtype. Not for a LoRA-wrapped head."""
+    import torch
+
+    from grpo_plugins.errors import GRPOPluginsError
+
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight") or hasattr(head, "lora_A"):
+        raise GRPOPluginsError(
+            "cast_lm_head_to_fp32 needs a plain linear LM head (not one with a LoRA adapter: remove lm_head "
+            "from lora.target_modules, or set cast_lm_head_to_fp32: false)"
+        )
+    original = head.weight.dtype
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward = forward
+    inputs = model.get_input_embeddings()
+    if inputs is not None and getattr(inputs, "weight", None) is head.weight and original != torch.float32:
+        inputs.register_forward_hook(lambda module, args, output: output.to(original))
 
 
 def is_peft_model(model: Any) -> bool:

@@ -43,8 +43,16 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "vllm_importance_sampling_correction": "auto",
     "vllm_importance_sampling_cap": 2.0,
     "rollout_correction": "token_truncate",
+    "use_bias_correction_kl": False,  # TRL 1.16's default is True; see docs/objective.md
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+    "entropy_coef": 0.0,
     "registry": None,  # a Registry; None: the process-wide one
 }
+
+#: The metric compute_loss reports when the entropy bonus is on: the mean entropy over the tokens
+#: the bonus acts on (what adaptive entropy control measures).
+BONUS_ENTROPY = "entropy_bonus/entropy"
 
 IS_RATIO_PREFIX = "sampling/importance_sampling_ratio"
 
@@ -64,6 +72,10 @@ def loss_settings(config: GRPOConfig, registry: Registry | None = None) -> dict[
         "max_completion_length": config.max_completion_length,
         "vllm_importance_sampling_correction": config.vllm_importance_sampling_correction,
         "vllm_importance_sampling_cap": config.vllm_importance_sampling_cap,
+        "use_bias_correction_kl": config.use_bias_correction_kl,
+        "top_entropy_quantile": config.top_entropy_quantile,
+        "off_policy_mask_threshold": config.off_policy_mask_threshold,
+        "entropy_coef": config.entropy_coef,
         "registry": registry,
     }
 
@@ -227,6 +239,34 @@ def _masked_stats(
 # -- the objective ---------------------------------------------------------------------------
 
 
+def high_entropy_mask(entropies: Tensor, mask: Tensor, quantile: float, pool: Tensor | None = None) -> Tensor:
+    """TRL's ``top_entropy_quantile`` mask: 1 for active tokens whose entropy is at least the
+    (1 - quantile) quantile of the active tokens' entropies (of ``pool`` when given: the
+    entropies of every process), else 0. (B, T) float."""
+    active = mask != 0
+    ent = entropies.detach()
+    values = ent[active] if pool is None else pool.detach().to(ent.dtype)
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    # In the entropies' own dtype (TRL casts to float32 first, which can round the threshold
+    # above the top token in a float64 run).
+    values = values if values.dtype in (torch.float32, torch.float64) else values.float()
+    threshold = torch.quantile(values, 1.0 - quantile)
+    keep = ent * mask >= threshold
+    return (keep & active).to(mask.dtype)
+
+
+def off_policy_mask(
+    advantages: Tensor, per_token_logps: Tensor, reference_logps: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): drop a
+    sequence (0) when its advantage is negative and its mean token KL(sampler || policy),
+    ``mean_t(reference - logp)``, exceeds ``threshold``; keep (1) otherwise. (B, 1)."""
+    kl = torch.nan_to_num(reference_logps - per_token_logps.detach(), nan=0.0)  # (B, T)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
 def compute_loss(
     per_token_logps: Tensor,
     old_per_token_logps: Tensor | None,
@@ -238,6 +278,8 @@ def compute_loss(
     num_items_in_batch: int | float | Tensor | None = None,
     num_processes: int = 1,
     gradient_accumulation_steps: int = 1,
+    entropies: Tensor | None = None,
+    entropy_pool: Tensor | None = None,
     **settings: Any,
 ) -> tuple[Tensor, LossMetrics]:
     """The GRPO loss of one micro-batch and its metrics (SPEC §6; TRL 1.x's definitions).
@@ -258,11 +300,18 @@ def compute_loss(
         num_processes: data-parallel processes (gradients are averaged across them).
         gradient_accumulation_steps: micro-batches per optimizer step (for loss types that
             divide by it).
+        entropies: (B, T) entropy of each position's sampling distribution; needed by
+            ``top_entropy_quantile < 1`` and ``entropy_coef != 0`` (it must carry the gradient
+            for the entropy bonus).
+        entropy_pool: the active tokens' entropies over which the ``top_entropy_quantile``
+            threshold is taken (all processes'); None: this micro-batch's.
         **settings: ``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``beta``,
             ``importance_sampling_level``, ``max_completion_length``,
             ``vllm_importance_sampling_correction``, ``vllm_importance_sampling_cap``,
-            ``rollout_correction`` (see :data:`DEFAULT_SETTINGS`), and ``registry``. Component
-            settings take a name, ``{name, params}``, a ComponentRef or a built component.
+            ``rollout_correction``, ``use_bias_correction_kl``, ``top_entropy_quantile``,
+            ``off_policy_mask_threshold``, ``entropy_coef`` (see :data:`DEFAULT_SETTINGS`), and
+            ``registry``. Component settings take a name, ``{name, params}``, a ComponentRef
+            or a built component.
 
     Returns:
         ``(loss, metrics)``: the scalar loss to backpropagate and a :class:`LossMetrics`.
@@ -275,6 +324,14 @@ def compute_loss(
         raise LossSettingsError(
             "per_token_logps and completion_mask must both be (B, T); got "
             f"{tuple(per_token_logps.shape)} and {tuple(completion_mask.shape)}"
+        )
+    quantile = float(s["top_entropy_quantile"])
+    if not 0.0 <= quantile <= 1.0:
+        raise LossSettingsError(f"top_entropy_quantile must be in [0, 1] (got {quantile})")
+    entropy_coef = float(s["entropy_coef"])
+    if (quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
+        raise LossSettingsError(
+            "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropies: pass entropies=..."
         )
     dtype, device = per_token_logps.dtype, per_token_logps.device
     mask = completion_mask.to(dtype)  # (B, T)
@@ -295,6 +352,16 @@ def compute_loss(
     epsilon_high = epsilon if s["epsilon_high"] is None else float(s["epsilon_high"])
     if num_items_in_batch is not None:
         num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
+
+    correction = None
+    if _correction_enabled(s["vllm_importance_sampling_correction"], sampling_per_token_logps):
+        corrector = resolve_component("rollout_correction", s["rollout_correction"], registry)
+        assert sampling_per_token_logps is not None
+        sampling = clean(sampling_per_token_logps.detach())
+        cap = s["vllm_importance_sampling_cap"]
+        cap = float("inf") if cap is None else float(cap)
+        correction = corrector.weights(old, sampling, mask, cap).detach()  # (B, T) or (B, 1)
+
     inputs = LossInputs(
         per_token_logps=logps,
         old_per_token_logps=old,
@@ -310,16 +377,20 @@ def compute_loss(
         num_items_in_batch=num_items_in_batch,
         num_processes=num_processes,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        rollout_weights=correction,
     )
     per_token = loss_type.per_token_loss(inputs)  # (B, T) or (B, 1)
 
-    correction = None
-    if _correction_enabled(s["vllm_importance_sampling_correction"], sampling_per_token_logps):
-        corrector = resolve_component("rollout_correction", s["rollout_correction"], registry)
-        assert sampling_per_token_logps is not None
-        sampling = clean(sampling_per_token_logps.detach())
-        cap = float(s["vllm_importance_sampling_cap"])
-        correction = corrector.weights(old, sampling, mask, cap).detach()  # (B, T) or (B, 1)
+    if s["off_policy_mask_threshold"] is not None:
+        # The sampler's log-probs when the engine keeps them (vLLM), else the old policy's.
+        reference = old if sampling_per_token_logps is None else clean(sampling_per_token_logps.detach())
+        per_token = per_token * off_policy_mask(advantages, logps, reference, mask, float(s["off_policy_mask_threshold"]))
+    entropy_mask = None
+    if quantile < 1.0:
+        assert entropies is not None
+        entropy_mask = high_entropy_mask(entropies, mask, quantile, entropy_pool)  # (B, T)
+        per_token = per_token * entropy_mask
+    if correction is not None and not getattr(loss_type, "applies_rollout_correction", False):
         per_token = per_token * correction
 
     beta = float(s["beta"])
@@ -329,15 +400,29 @@ def compute_loss(
             raise LossSettingsError("beta is not 0 but no ref_per_token_logps were given")
         ref_minus = clean(ref_per_token_logps.detach()) - logps  # (B, T)
         kl = torch.exp(ref_minus) - ref_minus - 1  # (B, T) k3 estimator
-        per_token = per_token + beta * kl
+        kl_term = kl * inputs.ratio if s["use_bias_correction_kl"] else kl  # DeepSeek-V3.2's unbiased KL
+        per_token = per_token + beta * kl_term
+        kl = kl_term  # logged as TRL logs it (with the ratio when bias-corrected)
 
     per_token = per_token.expand_as(mask)  # (B, T)
     loss = loss_type.reduce(per_token, inputs)
-    return loss, _metrics(loss_type, inputs, kl, correction)
+    bonus = None
+    if entropies is not None:
+        # The mean entropy over the tokens the policy term acts on, whatever the loss type's
+        # normalisation (TRL's definition), scaled only for gradient accumulation.
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask  # (B, T)
+        bonus = ((clean(entropies) * bonus_mask).sum(), bonus_mask.sum())
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * bonus[0] / bonus[1].clamp(min=1.0) / gradient_accumulation_steps
+    return loss, _metrics(loss_type, inputs, kl, correction, bonus)
 
 
 def _metrics(
-    loss_type: Any, inputs: LossInputs, kl: Tensor | None, correction: Tensor | None
+    loss_type: Any,
+    inputs: LossInputs,
+    kl: Tensor | None,
+    correction: Tensor | None,
+    bonus: tuple[Tensor, Tensor] | None = None,
 ) -> LossMetrics:
     mask = inputs.mask
     with torch.no_grad():
@@ -348,6 +433,8 @@ def _metrics(
             means[name] = (total, count)
         if kl is not None:
             means["kl"] = ((kl * mask).sum(), mask.sum())
+        if bonus is not None:
+            means[BONUS_ENTROPY] = (bonus[0].detach(), bonus[1])
         mins: dict[str, Tensor] = {}
         maxs: dict[str, Tensor] = {}
         if correction is not None:

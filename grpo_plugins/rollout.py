@@ -73,13 +73,15 @@ class PromptStream:
     ``row(i)`` is the dataset row behind prompt index ``i`` (the index ``plan`` shows).
     """
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
+    def __init__(self, size: int, seed: int, shuffle: bool = True) -> None:
+        self.size, self.seed, self.shuffle = size, seed, shuffle
         self._epoch: int = -1
         self._perm: list[int] = []
 
     def row(self, index: int) -> int:
         epoch, pos = divmod(index, self.size)
+        if not self.shuffle:  # shuffle_dataset: false
+            return pos
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._perm = torch.randperm(self.size, generator=generator).tolist()
@@ -217,7 +219,7 @@ class RolloutMaker:
         self.tokenizer, self.dataset, self.prompt_column = tokenizer, dataset, prompt_column
         self.generator, self.rewards, self.scaling = generator, rewards, scaling
         self.correction, self.guard, self.registry = correction, guard, registry
-        self.stream = PromptStream(len(dataset), config.seed)
+        self.stream = PromptStream(len(dataset), config.seed, config.shuffle_dataset)
 
     def make(self, cycle: int, step_number: int, writer: MetricsWriter | None = None) -> Rollout:
         """The rollout of ``cycle``; ``step_number`` is the optimizer step it leads to (for
@@ -238,6 +240,7 @@ class RolloutMaker:
             [rows[i][self.prompt_column] for i in unique],
             max_prompt_length=cfg.max_prompt_length,
             truncation=cfg.prompt_truncation,
+            chat_template_kwargs=cfg.chat_template_kwargs,
         )
         ids_of = dict(zip(unique, encoded))
         prompt_ids = [list(ids_of[i]) for i in share]
@@ -406,4 +409,37 @@ class RolloutMaker:
         ]
         records = gather_object(records) if self.accelerator.num_processes > 1 else records
         writer.log_completions(step_number, records)
+        cfg = self.config
+        if cfg.num_completions_to_print and self.accelerator.is_main_process:
+            print_completions(records, cfg.num_completions_to_print, unique_prompts=cfg.log_unique_prompts, step=step_number)
 
+
+
+def print_completions(records: list[dict[str, Any]], limit: int, *, unique_prompts: bool = False, step: int = 0) -> list[dict[str, Any]]:
+    """Print up to ``limit`` completions of a step as a table on stderr (TRL's
+    ``num_completions_to_print``; ``log_unique_prompts``: the first completion of each prompt
+    only). Returns the records printed."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    shown: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for record in records:
+        key = repr(record["prompt"])
+        if unique_prompts and key in seen:
+            continue
+        seen.add(key)
+        shown.append(record)
+        if len(shown) >= limit:
+            break
+    table = Table(title=f"completions, step {step}", show_lines=True)
+    for column in ("prompt", "completion", "rewards", "advantage"):
+        table.add_column(column)
+    for r in shown:
+        prompt = r["prompt"] if isinstance(r["prompt"], str) else str(r["prompt"][-1].get("content", r["prompt"]))
+        rewards = ", ".join(f"{k}={v:.3g}" if v is not None else f"{k}=None" for k, v in r["rewards"].items())
+        table.add_row(prompt, r["completion"], rewards, f"{r['advantage']:.3g}")
+    Console(file=sys.stderr, width=120).print(table)
+    return shown

@@ -60,6 +60,7 @@ class ChunkedReduction(LossType):
         self.full_mask = mask  # (B, T)
         self.full_advantages = advantages  # (B,) or (B, T)
         self.rows = rows
+        self.applies_rollout_correction = getattr(loss_type, "applies_rollout_correction", False)
 
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
         return self.inner.per_token_loss(inputs)
@@ -82,5 +83,6 @@ class ChunkedReduction(LossType):
             ratio=_pad_rows(inputs.ratio.detach(), rows, B, 1.0),  # (B, T) or (B, 1)
             advantages=advantages,
             mask=self.full_mask.to(dtype),  # (B, T)
+            rollout_weights=None if inputs.rollout_weights is None else _pad_rows(inputs.rollout_weights, rows, B, 1.0),
         )
         return self.inner.reduce(_pad_rows(per_token_loss, rows, B, 0.0), full)  # (B, T) in

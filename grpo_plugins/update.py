@@ -22,7 +22,7 @@ from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.compiled_layers import compile_stats
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
-from grpo_plugins.objective import LossMetrics
+from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics
 from grpo_plugins.precision import MasterWeights
 from grpo_plugins.rollout import Policy, Rollout, trim_padding
 
@@ -41,6 +41,50 @@ class AccumulationWindow:
         self.metrics.append(metrics)
         self.entropy_sum = entropy_sum + self.entropy_sum
         self.entropy_count = entropy_count + self.entropy_count
+
+
+class EntropyControl:
+    """The entropy bonus's coefficient (``entropy_coef``), and Skywork-OR1's adaptive control of
+    it (``use_adaptive_entropy``), exactly as TRL 1.16 runs it.
+
+    Every micro-step of an optimizer step applies :meth:`coefficient`: ``entropy_coef``, or with
+    adaptive control ``entropy_coef`` only while the last step's entropy was at or below
+    ``entropy_target`` (0 otherwise; the first step sees +inf, so 0). After the optimizer step,
+    :meth:`update` moves the coefficient by ``entropy_coef_delta`` towards more bonus when the
+    step's entropy (over the tokens the bonus acts on, all processes) was at or below the target
+    and towards less otherwise, clamped to [entropy_coef_min, entropy_coef_max].
+    """
+
+    def __init__(self, config: GRPOConfig) -> None:
+        self.config = config
+        self.coef = float(config.entropy_coef)
+        self.last_entropy = float("inf")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef != 0.0 or self.config.use_adaptive_entropy
+
+    def coefficient(self) -> float:
+        if not self.config.use_adaptive_entropy:
+            return self.coef
+        return self.coef if self.last_entropy <= self.config.entropy_target else 0.0
+
+    def update(self, entropy: float) -> None:
+        cfg = self.config
+        if not cfg.use_adaptive_entropy:
+            return
+        if entropy <= cfg.entropy_target:
+            self.coef = min(self.coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict[str, float]:
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef = float(state["entropy_coef"])
+        self.last_entropy = float(state["last_world_entropy"])
 
 
 class PolicyUpdate:
@@ -77,6 +121,7 @@ class PolicyUpdate:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
         self.trainable, self.optimizer, self.scheduler = trainable, optimizer, scheduler
         self.loss_settings, self.guard, self.master = loss_settings, guard, master
+        self.entropy = EntropyControl(config)
 
     def micro_step(self, rollout: Rollout, step: Step, window_items: float, window: AccumulationWindow) -> None:
         """Forward+backward of one micro-step, ``train_chunk_rows`` rows at a time (the gradient,
@@ -100,11 +145,15 @@ class PolicyUpdate:
         losses: list[Tensor] = []
         metrics: list[LossMetrics] = []
         ent_sum = torch.zeros((), device=acc.device)
+        coef = self.entropy.coefficient()
+        # The entropy bonus needs the entropy's gradient; otherwise it is a (detached) metric.
+        with_entropy: bool | str = "grad" if coef != 0.0 else True
+        wants_entropies = self.entropy.enabled or cfg.top_entropy_quantile < 1.0
         for i, c in enumerate(chunks):
             # DDP syncs gradients once, on the backward that ends the accumulation window.
             last = i == len(chunks) - 1
             sync = contextlib.nullcontext() if step.optimizer_update and last else acc.no_sync(policy.model)
-            settings = self.loss_settings
+            settings = {**self.loss_settings, "entropy_coef": coef}
             if len(chunks) > 1:
                 settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
             # Backward inside layers() too: activation checkpointing recomputes the layers then.
@@ -112,8 +161,9 @@ class PolicyUpdate:
                 with acc.autocast():
                     logps, entropy = completion_logps(
                         policy.model, ids[c], att[c], t, temperature=cfg.temperature,
-                        chunk_size=cfg.logprob_chunk_size, with_entropy=True, chunk_fn=policy.chunk_fn,
+                        chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy, chunk_fn=policy.chunk_fn,
                     )  # (b, t) (b, t)
+                    pool = self._entropy_pool(entropy, mask[c]) if cfg.top_entropy_quantile < 1.0 else None
                     loss, chunk_metrics = compute_loss(
                         logps,
                         cut(rollout.old_logps, c),
@@ -124,6 +174,8 @@ class PolicyUpdate:
                         num_items_in_batch=window_items,
                         num_processes=acc.num_processes,
                         gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                        entropies=entropy if wants_entropies else None,
+                        entropy_pool=pool,
                         **settings,
                     )
                 acc.backward(loss)
@@ -134,6 +186,18 @@ class PolicyUpdate:
             metrics.append(chunk_metrics)
         merged = metrics[0] if len(metrics) == 1 else LossMetrics.merge(metrics)
         window.add(torch.stack(losses).sum(), merged, ent_sum, mask.sum())
+
+    def _entropy_pool(self, entropy: Tensor | None, mask: Tensor) -> Tensor | None:
+        """The active tokens' entropies of every process (top_entropy_quantile's threshold is
+        taken over them, as in TRL); None on one process (compute_loss uses its own)."""
+        acc = self.accelerator
+        if acc.num_processes <= 1 or entropy is None:
+            return None
+        local = entropy.detach().float()[mask != 0]  # (n,)
+        sentinel = -1e9  # entropies are never negative
+        padded = acc.pad_across_processes(local, dim=0, pad_index=sentinel)
+        gathered = acc.gather(padded)
+        return gathered[gathered != sentinel]
 
     def optimizer_step(
         self, rollout: Rollout, window: AccumulationWindow, window_items: float, step_number: int
@@ -175,6 +239,8 @@ class PolicyUpdate:
             self.master.zero_grad()
 
         merged = LossMetrics.merge(window.metrics).all_reduce(acc)
+        if self.entropy.enabled and BONUS_ENTROPY in merged.mean_names:
+            self.entropy.update(float(merged[BONUS_ENTROPY]))  # the window's entropy, all processes
         counts = torch.stack([torch.as_tensor(window.entropy_sum), torch.as_tensor(window.entropy_count)])
         entropy = acc.reduce(counts.to(acc.device).double(), reduction="sum")
         record: dict[str, float] = dict(rollout.metrics)
@@ -189,6 +255,8 @@ class PolicyUpdate:
                 "nonfinite_skipped": 1.0 if nonfinite else 0.0,
             }
         )
+        if self.entropy.enabled:
+            record["entropy_coef"] = self.entropy.coef  # after this step's update, as TRL logs it
         if acc.scaler is not None:  # float16: the scaler skips steps whose gradients overflowed
             record["loss_scale"] = float(acc.scaler.get_scale())
             record["scaler_skipped"] = 1.0 if getattr(self.optimizer, "step_was_skipped", False) else 0.0

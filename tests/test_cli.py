@@ -218,7 +218,7 @@ def test_validate_reports_what_it_checked(tmp_path: Path, site: Path):
         ("loss_type: dapoo\n", "loss_type: unknown loss_type 'dapoo'; did you mean 'dapo'"),
         ("top_p: 0\n", "top_p: Input should be greater than 0"),
         ("min_p: 2\n", "min_p: Input should be less than or equal to 1"),
-        ("steps_per_generation: 2\ngeneration_batch_size: 8\n", "generation_batch_size: steps_per_generation and generation_batch_size are mutually exclusive"),
+        ("steps_per_generation: 2\ngeneration_batch_size: 12\n", "generation_batch_size: steps_per_generation and generation_batch_size are mutually exclusive"),
         ("gradient_accumulation_steps: 3\nsteps_per_generation: 4\n", "gradient_accumulation_steps: gradient_accumulation_steps (3) must divide"),
         ("rewards: [cli_reward, nope_reward]\n", "rewards.1: unknown reward 'nope_reward'"),
     ],

@@ -186,7 +186,7 @@ MALFORMED = [
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"min_p": 2}, "min_p", "less than or equal to 1"),
     ({"temperature": 0}, "temperature", "greater than 0"),
-    ({"steps_per_generation": 2, "generation_batch_size": 8}, "generation_batch_size", "mutually exclusive"),
+    ({"steps_per_generation": 2, "generation_batch_size": 12}, "generation_batch_size", "mutually exclusive"),
     ({"loss_type": "dapoo"}, "loss_type", "did you mean 'dapo'"),
     ({"scale_rewards": "grop"}, "scale_rewards", "did you mean 'group'"),
     ({"rewards": ["corect_answer"]}, "rewards.0", "did you mean 'correct_answer'"),
@@ -212,7 +212,7 @@ MALFORMED = [
     ({"model": "./no/such/model.gguf"}, "model", "no such file or directory"),
     ({"model": {"config": {"model_type": "llama"}, "tokenizer": "/no/such/tokenizer"}}, "model.tokenizer", "no such file"),
     ({"dataset": {"path": "json", "data_files": "./no/such/train.jsonl"}}, "dataset.data_files", "no such file"),
-    ({"report_to": ["jsonl", "wandb"]}, "report_to.1", "'tensorboard'"),
+    ({"report_to": ["jsonl", "wandb"]}, "report_to", "'wandb' is not available here"),
 ]
 
 

@@ -137,6 +137,28 @@ def test_two_processes_match_one(tiny_model: dict, tmp_path: Path, launcher: str
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
+def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model: dict, tmp_path: Path) -> None:
+    """One micro-step = the same 8 rows on one process and 4 + 4 on two; the top-entropy
+    threshold is taken over both processes' tokens, so the runs train alike."""
+    from safetensors.torch import load_file
+
+    import torch
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    changes = {"gradient_accumulation_steps": 1, "steps_per_generation": 1, "top_entropy_quantile": 0.5}
+    (tmp_path / "one.json").write_text(json.dumps({**_config(tiny_model, one, per_device=8), **changes}))
+    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
+    for command in ([sys.executable, __file__, str(tmp_path / "one.json")],
+                    [*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")]):
+        run = subprocess.run(command, env=_env(), capture_output=True, timeout=300)
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+    w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5)
+
+
 if __name__ == "__main__":  # a training process: CONFIG.json
     from grpo_plugins.engine import Engine
     from grpo_plugins.registry import get_registry

@@ -257,6 +257,14 @@ def test_sampling_settings_map_to_sampling_params(fake_vllm, tiny_model: dict) -
     assert q["top_k"] == 5 and q["min_p"] == 0.05 and q["seed"] is None
 
 
+def test_generation_kwargs_reach_sampling_params(fake_vllm, tiny_model: dict) -> None:
+    gen, _, _ = _setup(tiny_model)
+    gen.sampling = SamplingSettings(extra={"presence_penalty": 0.3, "stop": ["\n\n"]})
+    p = gen.sampling_params(2, None).kwargs
+    assert p["presence_penalty"] == 0.3 and p["stop"] == ["\n\n"]
+    assert type(gen).accepts_generation_kwargs
+
+
 def test_top_k_off_is_vllms_neutral_zero(fake_vllm, tiny_model: dict) -> None:
     gen, _, _ = _setup(tiny_model, top_k=None)
     assert gen.sampling_params(2, None).kwargs["top_k"] == 0

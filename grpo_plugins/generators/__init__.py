@@ -52,6 +52,13 @@ def build_generator(config: GRPOConfig, registry: Registry, model: Any, tokenize
 
     ref = generator_ref(config, cuda=getattr(device, "type", None) == "cuda")
     generator = registry.build("generator", ref.name, ref.params)
+    if config.generation_kwargs and not getattr(generator, "accepts_generation_kwargs", False):
+        from grpo_plugins.errors import GRPOPluginsError
+
+        raise GRPOPluginsError(
+            f"generation_kwargs are not supported by the '{ref.name}' generator; use generator: transformers "
+            "or vllm, or remove generation_kwargs"
+        )
     generator.registry = registry  # a backend that falls back to another builds it from here
     generator.setup(
         model,
@@ -64,6 +71,7 @@ def build_generator(config: GRPOConfig, registry: Registry, model: Any, tokenize
             min_p=config.min_p,
             repetition_penalty=config.repetition_penalty,
             seed=None,  # sampling uses the global RNG, which checkpoints save and restore
+            extra=dict(config.generation_kwargs or {}),
         ),
     )
     return generator

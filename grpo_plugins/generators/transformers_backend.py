@@ -121,6 +121,7 @@ class TransformersGenerator(Generator):
     """
 
     Params = TransformersGeneratorParams
+    accepts_generation_kwargs = True
     samples_from_policy = True
 
     def __init__(self, params: TransformersGeneratorParams | None = None) -> None:
@@ -168,6 +169,7 @@ class TransformersGenerator(Generator):
             eos_token_id=eos_token_ids(model, self.tokenizer),
             use_cache=True,
             return_dict_in_generate=True,
+            **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
         )
 
     def _generate_batch(self, model: Any, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor]:

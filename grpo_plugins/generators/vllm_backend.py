@@ -273,6 +273,7 @@ class VLLMGenerator(Generator):
     """
 
     Params = VLLMGeneratorParams
+    accepts_generation_kwargs = True
     samples_from_policy = False
 
     def __init__(self, params: VLLMGeneratorParams | None = None) -> None:
@@ -420,6 +421,7 @@ class VLLMGenerator(Generator):
             max_tokens=s.max_completion_length,
             logprobs=0,  # the sampled token's own log-prob only
             seed=seed,
+            **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
         )
 
     def seed_base(self, samples: int) -> int | None:

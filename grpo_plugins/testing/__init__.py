@@ -1,7 +1,8 @@
 """Helpers for testing grpo-plugins and plugins written for it, with no network and no hub.
 
 * :mod:`~grpo_plugins.testing.tiny`: :func:`build_tiny_tokenizer`, :func:`tiny_model_config`
-  and :func:`tiny_model_spec` (a tiny random Llama or Qwen2 and a character-level tokenizer);
+  and :func:`tiny_model_spec` (a tiny random Llama or Qwen2 and a character-level tokenizer), :func:`build_tiny_bpe_tokenizer`
+  (a small byte-level BPE tokenizer);
 * :mod:`~grpo_plugins.testing.registries`: :func:`registered_plugin`,
   :func:`registered_component` and :func:`isolated_registry` register plugins or components for
   the duration of a test and restore the registry afterwards;
@@ -34,6 +35,7 @@ from grpo_plugins.testing.tiny import (
     CHAT_TEMPLATE,
     EOS,
     PAD,
+    build_tiny_bpe_tokenizer,
     build_tiny_tokenizer,
     tiny_model_config,
     tiny_model_spec,
@@ -48,6 +50,7 @@ __all__ = [
     "PAD",
     "TEST_DISTRIBUTION",
     "ComponentContractError",
+    "build_tiny_bpe_tokenizer",
     "build_tiny_tokenizer",
     "check_component",
     "check_plugin",

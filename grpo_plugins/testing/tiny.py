@@ -4,6 +4,8 @@
   directory, built locally with the ``tokenizers`` library.
 * :func:`tiny_model_config` is a transformers config dict for a tiny random Llama or Qwen2.
 * :func:`tiny_model_spec` gives the ``model:`` mapping of a run config for both together.
+* :func:`build_tiny_bpe_tokenizer` writes a small byte-level BPE tokenizer (GPT-2/Qwen2 style, as
+  real models use), trained locally, for code that needs a real BPE vocabulary (GGUF export).
 """
 
 from __future__ import annotations
@@ -49,6 +51,52 @@ def build_tiny_tokenizer(directory: str | Path) -> Path:
         eos_token=EOS,
         unk_token="<unk>",
     )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    fast.save_pretrained(str(directory))
+    return directory
+
+
+#: Text the tiny BPE tokenizer learns its merges from (fixed, so its vocabulary is reproducible).
+_BPE_CORPUS = [
+    "What is 12 + 7? The answer is 19.",
+    "Compute 3 * 4 and explain: 3 * 4 = 12.",
+    "The quick brown fox jumps over the lazy dog.",
+    "GRPO samples a group of completions and compares their rewards.",
+    "<answer>42</answer> is the final answer.",
+] * 4
+
+
+def build_tiny_bpe_tokenizer(directory: str | Path, vocab_size: int = 360) -> Path:
+    """Write a byte-level BPE ``PreTrainedTokenizerFast`` (Qwen2's pre-tokenizer split, then GPT-2's
+    byte alphabet) trained on a fixed text to ``directory`` and return it.
+
+    Special tokens pad (0), bos (1), eos (2) and the three chat-role tokens come first; then the
+    256 byte symbols and the learned merges, ``vocab_size`` ids in all. It has
+    :data:`CHAT_TEMPLATE`.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS, *_ROLE_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_BPE_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
     fast.save_pretrained(str(directory))

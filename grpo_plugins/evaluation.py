@@ -256,7 +256,8 @@ def sampling_override(generator: Any, sampling: Any) -> contextlib.AbstractConte
 
 def greedy_settings(config: GRPOConfig) -> Any:
     """The run's sampling settings made greedy: ``top_k=1`` keeps only the most likely token (the
-    run's repetition penalty still applies), so every backend that supports top-k decodes greedily."""
+    run's repetition penalty and ``generation_kwargs`` still apply), so every backend that
+    supports top-k decodes greedily."""
     from grpo_plugins.kinds import SamplingSettings
 
     return SamplingSettings(
@@ -267,6 +268,7 @@ def greedy_settings(config: GRPOConfig) -> Any:
         min_p=None,
         repetition_penalty=config.repetition_penalty,
         seed=None,
+        extra=dict(config.generation_kwargs or {}),
     )
 
 

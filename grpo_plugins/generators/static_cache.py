@@ -77,7 +77,7 @@ class StaticCacheGenerator(Generator):
         self.calls = 0
         self._decoder: StaticDecoder | None = None
         self._fallback: Generator | None = None
-        self._other_decoders: dict[tuple[Any, ...], StaticDecoder] = {}  # by sampling settings
+        self._other_decoders: dict[str, StaticDecoder] = {}  # by sampling settings
 
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
         from grpo_plugins.generators.static_decode import UnsupportedModelError
@@ -129,7 +129,7 @@ class StaticCacheGenerator(Generator):
             with self._fallback.sampling_override(sampling):
                 yield
             return
-        key = tuple(sorted(vars(sampling).items()))
+        key = repr(sampling)  # the settings as a hashable key (``extra`` is a dict)
         if key not in self._other_decoders:
             other = self._make_decoder(sampling)
             if self._decoder.merge_weights and other.merge_weights:

@@ -1,4 +1,5 @@
-"""The built-in loss types, importance-sampling levels, reward scalings and rollout corrections.
+"""The built-in loss types, importance-sampling levels, reward scalings, rollout corrections and
+group filters.
 
 Registered through the ``grpo_plugins`` entry point exactly as a third-party plugin's are; the
 core never imports this package. Nothing here imports torch at module level (``grpo-plugins
@@ -11,7 +12,7 @@ from typing import Any
 
 from grpo_plugins.hookspecs import hookimpl
 
-from builtin_losses import importance_sampling, loss_types, reward_scaling, rollout_correction
+from builtin_losses import group_filters, importance_sampling, loss_types, reward_scaling, rollout_correction
 
 
 @hookimpl
@@ -45,3 +46,10 @@ def register_rollout_corrections(register: Any) -> None:
     register(rollout_correction.TokenMask, name="token_mask")
     register(rollout_correction.SequenceTruncate, name="sequence_truncate")
     register(rollout_correction.SequenceMask, name="sequence_mask")
+
+
+@hookimpl
+def register_group_filters(register: Any) -> None:
+    register(group_filters.KeepAll, name="keep_all")
+    register(group_filters.DropZeroStd, name="drop_zero_std")
+    register(group_filters.AccuracyBand, name="accuracy_band")

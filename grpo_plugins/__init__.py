@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     reward_scaling: Decorator
     rollout_correction: Decorator
     generator: Decorator
+    group_filter: Decorator
     task: Decorator
     from grpo_plugins.advantages import compute_advantages
     from grpo_plugins.engine import Engine

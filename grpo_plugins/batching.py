@@ -16,11 +16,17 @@ of that share. Completion ``c`` of cycle ``n`` belongs to prompt ``n * unique_pr
 A group may therefore span micro-batches and processes; rewards are gathered before group
 statistics are taken.
 
+With a ``group_filter`` that drops groups (DAPO's dynamic sampling) a cycle generates one to
+``1 + max_refill_rounds`` such batches and keeps ``unique_prompts`` groups of them; the plan's
+prompt indices then name group *slots*, and :attr:`BatchPlan.max_generations_per_cycle` is what a
+cycle may cost.
+
 ``grpo-plugins plan`` prints these plans; the engine consumes exactly the same objects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -78,11 +84,25 @@ class BatchPlan:
     effective_batch_size: int
     optimizer_steps_per_generation: int
     unique_prompts: int
+    #: The run's group filter when it drops groups (dynamic sampling), else None.
+    group_filter: str | None = None
+    #: Most extra generation rounds per cycle (0 without a dropping group filter).
+    max_refill_rounds: int = 0
 
     @property
     def generation_batch_size(self) -> int:
-        """Completions generated per cycle over all processes (= effective_batch_size)."""
+        """Completions generated per round over all processes (= effective_batch_size)."""
         return self.effective_batch_size
+
+    @property
+    def max_generations_per_cycle(self) -> int:
+        """Most completions one cycle may generate: one round plus ``max_refill_rounds`` more."""
+        return self.effective_batch_size * (1 + self.max_refill_rounds)
+
+    @property
+    def max_prompts_per_cycle(self) -> int:
+        """Most prompts one cycle may consume from the prompt stream."""
+        return self.unique_prompts * (1 + self.max_refill_rounds)
 
     @property
     def completions_per_process(self) -> int:
@@ -147,9 +167,20 @@ class BatchPlan:
             "num_processes": self.num_processes,
             "num_iterations": self.num_iterations,
             "process": process,
+            **self._group_filter_json(),
             "cycles": [
                 {"steps": [s.to_json() for s in self.cycle(n, process)]} for n in range(cycles)
             ],
+        }
+
+    def _group_filter_json(self) -> dict[str, Any]:
+        if self.group_filter is None:
+            return {}
+        return {
+            "group_filter": self.group_filter,
+            "max_refill_rounds": self.max_refill_rounds,
+            "generations_per_cycle": {"min": self.effective_batch_size, "max": self.max_generations_per_cycle},
+            "prompts_per_cycle": {"min": self.unique_prompts, "max": self.max_prompts_per_cycle},
         }
 
     def _check_process(self, process: int) -> None:
@@ -262,15 +293,16 @@ def make_plan(
     )
 
 
-def plan_from_config(config: Any, num_processes: int | None = None) -> BatchPlan:
+def plan_from_config(config: Any, num_processes: int | None = None, registry: Any = None) -> BatchPlan:
     """The batch plan of a :class:`~grpo_plugins.config.GRPOConfig`.
 
     ``num_processes`` defaults to ``config.num_processes``, then the ``WORLD_SIZE`` environment
-    variable (set by ``accelerate launch`` / torchrun), then 1.
+    variable (set by ``accelerate launch`` / torchrun), then 1. The config's ``group_filter`` is
+    looked up in ``registry`` (default: the run's) to know whether cycles may generate more.
     """
     if num_processes is None:
         num_processes = config.num_processes or world_size()
-    return make_plan(
+    plan = make_plan(
         per_device_train_batch_size=config.per_device_train_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         num_generations=config.num_generations,
@@ -279,6 +311,32 @@ def plan_from_config(config: Any, num_processes: int | None = None) -> BatchPlan
         num_processes=num_processes,
         num_iterations=config.num_iterations,
     )
+    name = dropping_group_filter(config, registry)
+    if name is None:
+        return plan
+    return dataclasses.replace(plan, group_filter=name, max_refill_rounds=config.max_refill_rounds)
+
+
+def dropping_group_filter(config: Any, registry: Any = None) -> str | None:
+    """The name of the config's ``group_filter`` when that filter may drop groups, else None.
+
+    Raises:
+        BatchPlanError: the filter is not registered (field ``group_filter``).
+    """
+    value = getattr(config, "group_filter", None)
+    if value is None:
+        return None
+    from grpo_plugins.config import component_ref
+    from grpo_plugins.registry import registry_for
+
+    ref = component_ref(value)
+    assert ref is not None
+    registry = registry if registry is not None else registry_for(config.disable_plugins)
+    try:
+        component = registry.get("group_filter", ref.name)
+    except GRPOPluginsError as exc:
+        raise BatchPlanError(str(exc), "group_filter") from None
+    return ref.name if getattr(component.obj, "drops_groups", True) else None
 
 
 def world_size() -> int:

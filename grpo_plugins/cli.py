@@ -298,6 +298,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{p.num_generations}, {p.optimizer_steps_per_generation} optimizer step(s) per generation "
             f"on {p.num_processes} process(es)"
         )
+        if p.group_filter is not None:
+            console.print(
+                f"  dynamic sampling: group_filter {p.group_filter}, up to {p.max_refill_rounds} refill round(s): "
+                f"{p.effective_batch_size} to {p.max_generations_per_cycle} completions per generation"
+            )
     for b in check.registry.broken:  # not used by this config, but installed and not loaded
         console.print(
             f"  [yellow]broken plugin (not loaded):[/yellow] {b.plugin} from {b.distribution} "
@@ -351,8 +356,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("unique_prompts", "effective_batch_size / num_generations",
          f"{p.effective_batch_size} / {p.num_generations}", p.unique_prompts),
     ]
+    if p.group_filter is not None:
+        formulas.append(
+            ("max_generations_per_cycle", "effective_batch_size * (1 + max_refill_rounds)",
+             f"{p.effective_batch_size} * (1 + {p.max_refill_rounds})", p.max_generations_per_cycle)
+        )
     for name, formula, numbers, value in formulas:
         console.print(f"{name:<30} = {formula} = {numbers} = [bold]{value}[/bold]", soft_wrap=True)
+    if p.group_filter is not None:
+        console.print(
+            f"group_filter {p.group_filter}: a cycle generates {p.effective_batch_size} to {p.max_generations_per_cycle} "
+            f"completions ({p.unique_prompts} to {p.max_prompts_per_cycle} prompts) for its "
+            f"{p.optimizer_steps_per_generation} optimizer step(s). The batch columns below are group slots: "
+            "each is filled at generation time by the next group the filter keeps; slots still empty after "
+            "max_refill_rounds train on nothing.",
+            soft_wrap=True,
+        )
     processes = range(p.num_processes) if args.process is None or p.num_processes == 1 else [args.process]
     for n in range(args.cycles):
         table = Table(title=f"Generation cycle {_cycle_name(n)}", title_justify="left")

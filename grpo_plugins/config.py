@@ -214,6 +214,15 @@ class GRPOConfig(_Strict):
     num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
     shuffle_dataset: bool = Field(True, description="Shuffle the prompts (a fresh seeded order each epoch); false: dataset order.")
+    group_filter: str | ComponentRef | None = Field(
+        None,
+        description="Dynamic sampling (DAPO): which generated groups are trained on, a group_filter plugin: drop_zero_std, accuracy_band, keep_all. A filter that drops groups makes the engine generate more prompts until the batch is full. None: every group, as keep_all.",
+    )
+    max_refill_rounds: int = Field(
+        4,
+        ge=0,
+        description="With a group_filter that drops groups: most extra generation rounds (of unique_prompts new prompts each) per cycle; when still short, the kept groups are trained on and the empty slots masked out (metric group_filter/cap_hit).",
+    )
 
     # -- optimisation ---------------------------------------------------------------------------
     learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")

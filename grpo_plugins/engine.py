@@ -161,6 +161,7 @@ class Engine:
         self.output_dir = Path(self.config.output_dir)
         self.global_step = 0
         self.num_tokens = 0
+        self.next_prompt = 0  # the prompt stream's position: the first prompt of the next rollout
         self.writer: MetricsWriter | None = None
         self.log: StepLog | None = None
 
@@ -189,7 +190,7 @@ class Engine:
         from accelerate.utils import set_seed
 
         cfg = self.config
-        self.accelerator, self.plan = make_accelerator(cfg)
+        self.accelerator, self.plan = make_accelerator(cfg, self.registry)
         acc = self.accelerator
         set_seed(cfg.seed)
         self._load_model()
@@ -209,6 +210,7 @@ class Engine:
             cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.generator,
             self.rewards, resolve_component("reward_scaling", cfg.scale_rewards, reg),
             keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
+            group_filter=resolve_component("group_filter", cfg.group_filter, reg) if cfg.group_filter is not None else None,
         )
         self.update = PolicyUpdate(
             cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),
@@ -357,13 +359,14 @@ class Engine:
         t0 = time.perf_counter()
         try:
             with self.guard.phase("generation", self.global_step + 1):
-                rollout = self.rollouts.make(cycle, self.global_step + 1, self.writer)
+                rollout = self.rollouts.make(cycle, self.global_step + 1, self.writer, self.next_prompt)
         except (RewardFailed, NonFiniteError) as failed:
             if self.global_step > 0 and not saved:
                 self._save(cycle, 0, None, rng_at_cycle_start)
             raise getattr(failed, "error", failed) from None
         self.log.rollout_done(rollout, time.perf_counter() - t0)
         self.num_tokens += rollout.num_tokens
+        self.next_prompt = rollout.next_prompt
         return rollout
 
     def _optimizer_step(self, rollout: Rollout, window: AccumulationWindow, window_items: float) -> dict[str, float]:
@@ -406,6 +409,9 @@ class Engine:
             assert self.update is not None
             self.update.entropy.load_state_dict(state["entropy_control"])
         self.global_step, self.num_tokens = state["global_step"], state["num_tokens"]
+        assert self.plan is not None  # checkpoints from before dynamic sampling: one cycle, one batch of prompts
+        consumed = state["cycle"] + (1 if state.get("mid_cycle") else 0)
+        self.next_prompt = state.get("next_prompt", consumed * self.plan.unique_prompts)
         if "generator" in state and hasattr(self.generator, "load_state_dict"):
             self.generator.load_state_dict(state["generator"])
         if rng is not None:
@@ -428,6 +434,7 @@ class Engine:
             "next_micro_step": next_micro_step,
             "mid_cycle": rollout is not None,
             "num_tokens": self.num_tokens,
+            "next_prompt": self.next_prompt,
             "num_processes": acc.num_processes,
             "total_steps": self.total_steps,
             "log_window": self.log.window,

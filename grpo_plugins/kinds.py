@@ -196,6 +196,37 @@ class RolloutCorrection(Protocol):
 
 
 # --------------------------------------------------------------------------------------------
+# Dynamic sampling
+# --------------------------------------------------------------------------------------------
+
+
+class GroupFilter:
+    """Which groups of a generation batch are trained on (kind ``group_filter``; DAPO's dynamic
+    sampling).
+
+    ``keep`` sees the gathered rewards of one generation round and returns, per group, whether
+    to train on it. While fewer than ``unique_prompts`` groups are kept the engine generates
+    another round of ``unique_prompts`` new prompts, at most ``max_refill_rounds`` times; then it
+    trains on the kept groups (surplus ones are discarded, empty slots are masked out).
+
+    * ``drops_groups``: False for a filter that never drops anything (``keep_all``); the engine
+      then takes the plain path (no gathering of completions, no group-filter metrics).
+    * optional method ``check_rewards(names: list[str]) -> None``: raise ValueError when the
+      filter cannot work with a run whose rewards are ``names`` (``validate`` calls it, so a
+      wrong reward name is reported before a model is loaded).
+    """
+
+    Params: ClassVar[type[BaseModel] | None] = None
+    drops_groups: ClassVar[bool] = True
+
+    def keep(self, rewards: Tensor, total: Tensor, names: list[str], num_generations: int) -> Tensor:
+        """(N, K) rewards per reward function (NaN: not applicable), (N,) their weighted sum
+        (NaN where no reward applies), the K reward names and G; groups are G consecutive rows
+        -> (N/G,) bool, True for the groups to train on. Must not modify its inputs."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
 # Generation
 # --------------------------------------------------------------------------------------------
 
@@ -364,6 +395,12 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
             "generator", "register_generators",
             "Register generation backends (kind ``generator``).\n\nSee :class:`grpo_plugins.kinds.Generator`.",
             Generator, "generator", f"{_CHECKS}:check_generator", ("sampling_override",),
+        ),
+        ComponentKind(
+            "group_filter", "register_group_filters",
+            "Register group filters (kind ``group_filter``): DAPO's dynamic sampling of informative groups.\n\n"
+            "See :class:`grpo_plugins.kinds.GroupFilter`.",
+            GroupFilter, "group_filter", f"{_CHECKS}:check_group_filter",
         ),
         ComponentKind(
             "task", "register_tasks",

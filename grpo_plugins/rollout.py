@@ -48,6 +48,7 @@ class Rollout:
     generate_seconds: float
     reward_seconds: float
     nonfinite: str | None = None  # the component that produced a NaN/inf reward or advantage
+    next_prompt: int = 0  # the prompt stream's position after this rollout (the next cycle's first)
 
     def to_state(self) -> dict[str, Any]:
         """The fields as a dict (what a mid-cycle checkpoint saves)."""
@@ -57,6 +58,47 @@ class Rollout:
     def from_state(cls, state: Mapping[str, Any], device: torch.device | str = "cpu") -> Rollout:
         """The rollout saved by :meth:`to_state`, its tensors moved to ``device``."""
         return cls(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in state.items()})
+
+
+@dataclass
+class Round:
+    """One generate-and-score pass over this process's L rows (before any gathering)."""
+
+    prompt_index: list[int]  # (L,)
+    prompt_ids: list[list[int]]  # (L,) token ids of each row's prompt
+    prompts: list[Any]  # (L,) the prompts as the dataset holds them
+    completion_ids: Tensor  # (L, T)
+    completion_mask: Tensor  # (L, T) long
+    truncated: Tensor  # (L,) bool
+    sampling_logps: Tensor | None  # (L, T) when the rollout correction is on
+    local_rewards: Tensor  # (L, K)
+    texts: list[str]  # (L,) decoded completions
+    generate_seconds: float
+    reward_seconds: float
+
+
+@dataclass
+class Share:
+    """This process's share of the batch a cycle trains on, before advantages: one round as
+    generated, or what dynamic sampling assembled from several."""
+
+    prompt_index: list[int]  # (L,) -1 for a row of an empty slot
+    prompt_ids: list[list[int]]
+    prompts: list[Any]
+    completion_ids: Tensor  # (L, T)
+    completion_mask: Tensor  # (L, T) long
+    truncated: Tensor  # (L,) bool
+    sampling_logps: Tensor | None  # (L, T)
+    local_rewards: Tensor  # (L, K)
+    all_rewards: Tensor  # (N, K) the whole batch, gathered; NaN rows for empty slots
+    texts: list[str]  # (L,)
+    metrics: dict[str, float]
+    num_tokens: int  # prompt + completion tokens generated for it, all processes
+    generate_seconds: float
+    reward_seconds: float
+    next_prompt: int  # the prompt stream's position after it
+    nonfinite: str | None = None
+    empty: Tensor | None = None  # (L,) bool: rows of empty slots (masked out of the loss)
 
 
 class RewardFailed(Exception):
@@ -197,6 +239,8 @@ class RolloutMaker:
         correction: whether the rollout correction is on (sampling log-probs are kept).
         guard: the run's guard (NaN/inf checks).
         registry: the run's registry.
+        group_filter: the built ``group_filter`` component (used when ``plan.group_filter`` is
+            set, i.e. the filter drops groups).
     """
 
     def __init__(
@@ -214,26 +258,84 @@ class RolloutMaker:
         correction: bool,
         guard: RunGuard,
         registry: Registry,
+        group_filter: Any = None,
     ) -> None:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
         self.tokenizer, self.dataset, self.prompt_column = tokenizer, dataset, prompt_column
         self.generator, self.rewards, self.scaling = generator, rewards, scaling
         self.correction, self.guard, self.registry = correction, guard, registry
+        self.group_filter = group_filter
         self.stream = PromptStream(len(dataset), config.seed, config.shuffle_dataset)
 
-    def make(self, cycle: int, step_number: int, writer: MetricsWriter | None = None) -> Rollout:
+    def make(
+        self, cycle: int, step_number: int, writer: MetricsWriter | None = None, first_prompt: int | None = None
+    ) -> Rollout:
         """The rollout of ``cycle``; ``step_number`` is the optimizer step it leads to (for
-        messages and logged completions).
+        messages and logged completions); ``first_prompt`` is the prompt stream's position
+        (default ``cycle * unique_prompts``, where every cycle consumes exactly its prompts; a
+        group filter that refills consumes more, see :mod:`grpo_plugins.dynamic_sampling`).
 
         Raises:
             RewardFailed: a reward failed on some process.
             NonFiniteError: a NaN/inf reward or advantage with ``on_nonfinite: stop``.
         """
-        from grpo_plugins.data import encode_prompts, left_pad
+        from grpo_plugins.data import left_pad
 
         cfg, acc, plan = self.config, self.accelerator, self.plan
-        share = plan.prompt_indices(cycle)[plan.process_rows(acc.process_index)]  # (L,) prompt per row
-        unique = sorted(set(share))
+        if first_prompt is None:
+            first_prompt = cycle * plan.unique_prompts
+        if plan.group_filter is None:
+            share = self._plain_share(first_prompt, step_number)
+        else:
+            from grpo_plugins.dynamic_sampling import refill
+
+            share = refill(self, first_prompt, step_number)
+        advantages, nonfinite = self._advantages(share.all_rewards, step_number)  # (L,)
+        completion_mask = share.completion_mask
+
+        loss_mask = completion_mask.float()  # (L, T)
+        if cfg.mask_truncated_completions:
+            loss_mask = loss_mask * (~share.truncated).float().unsqueeze(1)
+        if share.empty is not None:  # empty slots of a short dynamic-sampling batch train on nothing
+            loss_mask = loss_mask * (~share.empty).float().unsqueeze(1)
+        prompt_tensor, prompt_mask = left_pad(share.prompt_ids, self.tokenizer.pad_token_id, device=acc.device)  # (L, P)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (L, P+T)
+        steps = plan.cycle(cycle, acc.process_index)
+        if cfg.log_completions and writer is not None:
+            keep = [i for i in range(len(share.prompts)) if share.empty is None or not bool(share.empty[i])]
+            self._log_completions(
+                writer, step_number, [share.prompts[i] for i in keep], [share.texts[i] for i in keep],
+                share.local_rewards[keep], advantages[keep],
+            )
+
+        rollout = Rollout(
+            prompt_index=list(share.prompt_index),
+            input_ids=torch.cat([prompt_tensor, share.completion_ids], dim=1),  # (L, P+T)
+            attention_mask=attention_mask,
+            loss_mask=loss_mask,
+            advantages=advantages,
+            old_logps=None,
+            ref_logps=None,
+            sampling_logps=share.sampling_logps,
+            window_items=self._window_items(loss_mask, steps),
+            metrics=share.metrics,
+            num_tokens=share.num_tokens,
+            generate_seconds=share.generate_seconds,
+            reward_seconds=share.reward_seconds,
+            nonfinite=share.nonfinite or nonfinite,
+            next_prompt=share.next_prompt,
+        )
+        with self.guard.phase("log-probs", step_number):
+            self._add_logps(rollout, steps)
+        return rollout
+
+    def prompts_for(self, indices: Sequence[int]) -> tuple[list[Any], list[list[int]], dict[int, Any]]:
+        """The prompts behind prompt-stream ``indices``: (prompts, their token ids, the dataset
+        row of each distinct index)."""
+        from grpo_plugins.data import encode_prompts
+
+        cfg = self.config
+        unique = sorted(set(indices))
         rows = {i: self.dataset[self.stream.row(i)] for i in unique}
         encoded = encode_prompts(
             self.tokenizer,
@@ -243,8 +345,12 @@ class RolloutMaker:
             chat_template_kwargs=cfg.chat_template_kwargs,
         )
         ids_of = dict(zip(unique, encoded))
-        prompt_ids = [list(ids_of[i]) for i in share]
+        return [rows[i][self.prompt_column] for i in indices], [list(ids_of[i]) for i in indices], rows
 
+    def generate_round(self, indices: list[int], step_number: int) -> Round:
+        """Generate and score one completion per entry of ``indices`` (this process's rows)."""
+        acc = self.accelerator
+        prompts, prompt_ids, rows = self.prompts_for(indices)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = self.generator.generate(prompt_ids)
@@ -254,45 +360,38 @@ class RolloutMaker:
         completion_mask = out.completion_mask.to(acc.device).long()  # (L, T)
         truncated = out.is_truncated.to(acc.device).bool()  # (L,)
         lengths = completion_mask.sum(1)  # (L,)
-        prompts = [rows[i][self.prompt_column] for i in share]
-        columns = {n: [rows[i][n] for i in share] for n in self.dataset.column_names if n != self.prompt_column}
+        columns = {n: [rows[i][n] for i in indices] for n in self.dataset.column_names if n != self.prompt_column}
 
         t0 = time.perf_counter()
         local_rewards, texts = self._score(prompts, completion_ids, lengths, columns, step_number)  # (L, K)
-        reward_seconds = time.perf_counter() - t0
-        advantages, all_rewards, nonfinite = self._advantages(local_rewards, step_number)  # (L,) (N, K)
-
-        loss_mask = completion_mask.float()  # (L, T)
-        if cfg.mask_truncated_completions:
-            loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
-        prompt_tensor, prompt_mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device=acc.device)  # (L, P)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (L, P+T)
-        steps = plan.cycle(cycle, acc.process_index)
-        if cfg.log_completions and writer is not None:
-            self._log_completions(writer, step_number, prompts, texts, local_rewards, advantages)
-
-        rollout = Rollout(
-            prompt_index=list(share),
-            input_ids=torch.cat([prompt_tensor, completion_ids], dim=1),  # (L, P+T)
-            attention_mask=attention_mask,
-            loss_mask=loss_mask,
-            advantages=advantages,
-            old_logps=None,
-            ref_logps=None,
-            sampling_logps=self._sampling_logps(out),
-            window_items=self._window_items(loss_mask, steps),
-            metrics={
-                **reward_metrics(all_rewards, self.rewards.names, self.rewards.weights, plan.num_generations),
-                **completion_metrics(acc.gather(lengths), acc.gather(truncated.long()).bool()),
-            },
-            num_tokens=int(acc.reduce(attention_mask.sum().double(), reduction="sum")),
-            generate_seconds=generate_seconds,
-            reward_seconds=reward_seconds,
-            nonfinite=nonfinite,
+        return Round(
+            prompt_index=list(indices), prompt_ids=prompt_ids, prompts=prompts, completion_ids=completion_ids,
+            completion_mask=completion_mask, truncated=truncated, sampling_logps=self._sampling_logps(out),
+            local_rewards=local_rewards, texts=texts, generate_seconds=generate_seconds,
+            reward_seconds=time.perf_counter() - t0,
         )
-        with self.guard.phase("log-probs", step_number):
-            self._add_logps(rollout, steps)
-        return rollout
+
+    def _plain_share(self, first_prompt: int, step_number: int) -> Share:
+        """The cycle's batch as generated: one round of ``unique_prompts`` prompts."""
+        acc, plan = self.accelerator, self.plan
+        G = plan.num_generations
+        indices = [first_prompt + c // G for c in range(plan.effective_batch_size)][plan.process_rows(acc.process_index)]
+        r = self.generate_round(indices, step_number)
+        all_rewards = acc.gather(r.local_rewards)  # (N, K) N = L * num_processes, process order
+        lengths = r.completion_mask.sum(1)  # (L,)
+        local_tokens = sum(len(p) for p in r.prompt_ids) + lengths.sum()
+        return Share(
+            prompt_index=r.prompt_index, prompt_ids=r.prompt_ids, prompts=r.prompts, completion_ids=r.completion_ids,
+            completion_mask=r.completion_mask, truncated=r.truncated, sampling_logps=r.sampling_logps,
+            local_rewards=r.local_rewards, all_rewards=all_rewards, texts=r.texts,
+            metrics={
+                **reward_metrics(all_rewards, self.rewards.names, self.rewards.weights, G),
+                **completion_metrics(acc.gather(lengths), acc.gather(r.truncated.long()).bool()),
+            },
+            num_tokens=int(acc.reduce(torch.as_tensor(local_tokens, device=acc.device).double(), reduction="sum")),
+            generate_seconds=r.generate_seconds, reward_seconds=r.reward_seconds,
+            next_prompt=first_prompt + plan.unique_prompts,
+        )
 
     # -- the stages ----------------------------------------------------------------------------
 
@@ -321,12 +420,11 @@ class RolloutMaker:
             raise RewardFailed(error)
         return local, texts
 
-    def _advantages(self, local_rewards: Tensor, step_number: int) -> tuple[Tensor, Tensor, str | None]:
+    def _advantages(self, all_rewards: Tensor, step_number: int) -> tuple[Tensor, str | None]:
         """This process's (L,) advantages, computed over the whole gathered (N, K) reward table."""
         from grpo_plugins.advantages import compute_advantages
 
         acc, L = self.accelerator, self.plan.completions_per_process
-        all_rewards = acc.gather(local_rewards)  # (N, K) N = L * num_processes, process order
         advantages_all = compute_advantages(
             all_rewards.double(),
             num_generations=self.plan.num_generations,
@@ -337,7 +435,7 @@ class RolloutMaker:
         ).float()  # (N,)
         nonfinite = self.guard.check_rollout(all_rewards, advantages_all, step_number)
         rank = acc.process_index
-        return advantages_all[rank * L : (rank + 1) * L], all_rewards, nonfinite
+        return advantages_all[rank * L : (rank + 1) * L], nonfinite
 
     def _window_items(self, loss_mask: Tensor, steps: list[Step]) -> list[float]:
         """Active tokens of each accumulation window of the cycle, summed over all processes."""

@@ -17,8 +17,9 @@ from grpo_plugins.config import GRPOConfig
 from grpo_plugins.errors import TrainingError
 
 
-def make_accelerator(config: GRPOConfig) -> tuple[Any, BatchPlan]:
-    """The run's ``Accelerator`` (fp16 mixed precision for ``dtype: float16``) and batch plan.
+def make_accelerator(config: GRPOConfig, registry: Any = None) -> tuple[Any, BatchPlan]:
+    """The run's ``Accelerator`` (fp16 mixed precision for ``dtype: float16``) and batch plan
+    (its group filter looked up in ``registry``, default the run's).
 
     Raises:
         TrainingError: float16 without CUDA, or a process count that differs from the launch
@@ -41,7 +42,7 @@ def make_accelerator(config: GRPOConfig) -> tuple[Any, BatchPlan]:
             f"launched as {world} processes (WORLD_SIZE) but accelerate set up {acc.num_processes}; "
             "launch with `accelerate launch` or torchrun on a supported device"
         )
-    plan = plan_from_config(config, acc.num_processes)
+    plan = plan_from_config(config, acc.num_processes, registry)
     if plan.num_processes != acc.num_processes:
         raise TrainingError(
             f"num_processes is {config.num_processes} in the config but the run has "

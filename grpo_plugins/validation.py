@@ -124,6 +124,7 @@ def check_config(
         if component is not None:
             check.components[name] = component
     _check_rewards(check)
+    _check_group_filter(check)
     _check_model(check)
     _check_quantization(check)
     _check_generator(check)
@@ -131,9 +132,10 @@ def check_config(
     _check_eval(check)
     _check_reward_columns(check)
     try:
-        check.plan = plan_from_config(config, num_processes)
+        check.plan = plan_from_config(config, num_processes, registry)
     except BatchPlanError as exc:
-        check.problems.append((exc.field, str(exc)))
+        if (exc.field, str(exc)) not in check.problems:  # an unknown group_filter is reported once
+            check.problems.append((exc.field, str(exc)))
     _warn_questionable(config)
     return check
 
@@ -223,6 +225,29 @@ def _check_rewards(check: ConfigCheck) -> None:
                 "give one weight per reward, in the same order",
             )
         )
+
+
+def _check_group_filter(check: ConfigCheck) -> None:
+    """Let the group filter check the run's reward names (e.g. accuracy_band's ``reward``)."""
+    component = check.components.get("group_filter")
+    if component is None or not check.rewards:
+        return
+    ref = component_ref(check.config.group_filter)
+    assert ref is not None
+    try:
+        built = component.build(ref.params)
+    except GRPOPluginsError:
+        return  # its params were reported already
+    names: list[str] = []
+    for _, reward in check.rewards:  # as the reward runner names them: x, x_2, ...
+        name, n = reward.name, 2
+        while name in names:
+            name, n = f"{reward.name}_{n}", n + 1
+        names.append(name)
+    try:
+        getattr(built, "check_rewards", lambda names: None)(names)
+    except ValueError as exc:
+        check.problems.append(("group_filter.params", str(exc)))
 
 
 def _entry_name(entry: Any) -> str:

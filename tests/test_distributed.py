@@ -26,6 +26,11 @@ def char_sum(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(sum(map(ord, c)) % 7) for c in completions]
 
 
+def char_sum_or_constant(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """char_sum, but constant (a zero-std group) for three of the eight prompts."""
+    return [1.0 if p in ("cd", "gh", "kl") else float(sum(map(ord, c)) % 7) for p, c in zip(prompts, completions)]
+
+
 def _fixed_generator() -> type:
     import torch
 
@@ -138,6 +143,42 @@ def test_two_processes_match_one(tiny_model: dict, tmp_path: Path, launcher: str
 
 
 @pytest.mark.slow
+def test_two_processes_match_one_with_dynamic_sampling(tiny_model: dict, tmp_path: Path) -> None:
+    """Groups are kept, refilled and redistributed over the processes exactly as in one process."""
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_plugins.metrics import read_metrics
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, per_device in ((one, 8), (two, 4)):
+        config = {**_config(tiny_model, out, per_device), "group_filter": "drop_zero_std", "max_refill_rounds": 1}
+        (tmp_path / f"{out.name}.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, __file__, str(tmp_path / "one.json")], env=_env(), capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    run = subprocess.run([*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")], env=_env(), capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+    def completions(out: Path) -> list[tuple[str, str, float]]:
+        rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+        return [(r["prompt"], r["completion"], r["advantage"]) for r in rows]
+
+    c1, c2 = completions(one), completions(two)
+    assert c1 and [r[:2] for r in c1] == [r[:2] for r in c2]
+    assert not {p for p, _, _ in c1} & {"cd", "gh", "kl"}  # the constant prompts were never trained on
+    torch.testing.assert_close(torch.tensor([r[2] for r in c2]), torch.tensor([r[2] for r in c1]), rtol=0, atol=1e-6)
+    w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
+    for key in w1:  # DDP sums gradients in another order; Adam turns that into ~1e-5 differences
+        torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=5e-5)
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert sum(r["group_filter/groups_dropped"] for r in m1) > 0
+    for r1, r2 in zip(m1, m2, strict=True):
+        for key in [k for k in r1 if k.startswith("group_filter/")] + ["loss", "num_tokens", "frac_reward_zero_std"]:
+            assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
 def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model: dict, tmp_path: Path) -> None:
     """One micro-step = the same 8 rows on one process and 4 + 4 on two; the top-entropy
     threshold is taken over both processes' tokens, so the runs train alike."""
@@ -165,4 +206,5 @@ if __name__ == "__main__":  # a training process: CONFIG.json
 
     get_registry().register("generator", "fixed_test", _fixed_generator())
     config = json.loads(Path(sys.argv[1]).read_text())
-    Engine(config, rewards=[char_sum], dataset=PROMPTS).train()
+    reward = char_sum_or_constant if config.get("group_filter") else char_sum
+    Engine(config, rewards=[reward], dataset=PROMPTS).train()

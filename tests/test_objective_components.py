@@ -239,7 +239,7 @@ def test_builtin_losses_pass_the_component_contract_checker():
     from grpo_plugins.testing import check_plugin
 
     components = check_plugin(builtin_losses)
-    assert len(components) == 8 + 2 + 3 + 4
+    assert len(components) == 8 + 2 + 3 + 4 + 3
 
 
 def test_dapo_accepts_a_plain_number_of_items_in_loss_inputs():

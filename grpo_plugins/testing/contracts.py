@@ -333,6 +333,35 @@ def check_generator(built: Any, sample: dict[str, Any]) -> list[str]:
     return [] if isinstance(value, bool) else [f"samples_from_policy must be a bool, got {value!r}"]
 
 
+def check_group_filter(built: Any, sample: dict[str, Any]) -> list[str]:
+    """The behaviour problems of a built group_filter (see :func:`check_component`)."""
+    import torch
+
+    nan = float("nan")
+    # Groups of 3 with one reward: all wrong, mixed (with an unscorable row), all right.
+    rewards = torch.tensor([[0.0], [0.0], [0.0], [1.0], [nan], [0.0], [1.0], [1.0], [1.0]])  # (N, K)
+    total = rewards[:, 0].clone()  # (N,)
+    originals = rewards.clone(), total.clone()
+    problems: list[str] = []
+    value = getattr(built, "drops_groups", True)
+    if not isinstance(value, bool):
+        problems.append(f"drops_groups must be a bool, got {value!r}")
+    checker = getattr(built, "check_rewards", None)
+    if checker is not None:
+        checker(["correct"])
+    keep = built.keep(rewards, total, ["correct"], 3)
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (3,):
+        shape = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
+        return problems + [f"keep must return a (N/G,) bool tensor, here (3,); got {shape}"]
+    if value is False and not bool(keep.all()):
+        problems.append(f"drops_groups is False but keep dropped groups: {keep.tolist()}")
+    for got, original in zip((rewards, total), originals):
+        if not torch.equal(torch.nan_to_num(got, nan=-7.0), torch.nan_to_num(original, nan=-7.0)):
+            problems.append("keep modified its inputs in place")
+            break
+    return problems
+
+
 def check_task(built: Any, sample: dict[str, Any]) -> list[str]:
     """The behaviour problems of a built task (see :func:`check_component`)."""
     problems: list[str] = []
@@ -447,6 +476,8 @@ def check_component(
     * task: ``load(0)`` gives a non-empty dataset with a ``prompt`` column, and
       ``default_rewards`` are names or mappings; ``load_eval(0)``, when it gives a dataset, has
       a ``prompt`` column and no prompt of ``load(0)``;
+    * group_filter: ``keep`` returns (N/G,) bool, keeps every group when ``drops_groups`` is
+      False, input not modified;
     * generator: only the static checks (generating needs a model).
 
     Raises:

@@ -237,6 +237,12 @@ class MetricsWriter:
         """Write one logged step (metrics already averaged over the logging window)."""
         if not self.enabled:
             return
+        self._record(step, metrics)
+        if self._lines:
+            print(self.line(step, metrics), flush=True)
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        """One record in metrics.jsonl and TensorBoard scalars."""
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()
@@ -244,21 +250,13 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self._lines:
-            print(self.line(step, metrics), flush=True)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Write an evaluation (``eval/...`` metrics) at ``step``: its own record in metrics.jsonl,
         TensorBoard scalars, and one console line (also above the live bar)."""
         if not self.enabled:
             return
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        self._record(step, metrics)
         if self._progress is not None:
             from rich.markup import escape
 

@@ -67,6 +67,9 @@ class ArithmeticTask:
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         num_samples: int = Field(1000, ge=1, description="Number of problems.")
+        num_eval_samples: int = Field(
+            100, ge=1, description="Problems in the held-out split (load_eval); none of their prompts is a training prompt."
+        )
         min_operand: int = Field(1, ge=0)
         max_operand: int = Field(20, ge=1)
         operations: list[Literal["+", "-", "*", "/"]] = Field(default_factory=lambda: ["+"], min_length=1)
@@ -128,24 +131,59 @@ class ArithmeticTask:
         """The task's rows as plain dicts (what :meth:`load` turns into a Dataset)."""
         p = self.params
         rng = random.Random(p.seed if p.seed is not None else seed)
-        rows = []
-        for _ in range(p.num_samples):
+        return [self._row(*self.problem(rng)) for _ in range(p.num_samples)]
+
+    def eval_rows(self, seed: int) -> list[dict[str, Any]]:
+        """The held-out rows (what :meth:`load_eval` turns into a Dataset): ``num_eval_samples``
+        problems drawn from a separate random stream, each skipped when its question is one of
+        the training rows' (or an earlier held-out row's). The system message is the same for
+        every row, so no held-out prompt equals a training prompt.
+
+        With the default small operands the same sum can appear in another wording (the
+        held-out split tests new prompts, not unseen sums; raise ``max_operand`` for that).
+
+        Raises:
+            DataError: the problem space is too small to draw that many new questions.
+        """
+        from grpo_plugins.data import DataError
+
+        p = self.params
+        base = p.seed if p.seed is not None else seed
+        seen = {row["question"] for row in self.rows(seed)}
+        rng = random.Random(f"arithmetic-eval/{base}")  # a str seed is hashed with sha512: stable
+        rows: list[dict[str, Any]] = []
+        for _ in range(1000 + 200 * p.num_eval_samples):
             question, answer = self.problem(rng)
-            rows.append(
-                {
-                    "prompt": [
-                        {"role": "system", "content": p.system_prompt},
-                        *[dict(m) for m in p.examples],
-                        {"role": "user", "content": question},
-                    ],
-                    "question": question,
-                    "answer": str(answer),
-                }
-            )
-        return rows
+            if question not in seen:
+                seen.add(question)
+                rows.append(self._row(question, answer))
+                if len(rows) == p.num_eval_samples:
+                    return rows
+        raise DataError(
+            f"task 'arithmetic': found only {len(rows)} of num_eval_samples={p.num_eval_samples} held-out "
+            f"questions that are not among the {p.num_samples} training problems; lower num_eval_samples "
+            "or num_samples, or widen the problems (max_operand, operations, style)"
+        )
+
+    def _row(self, question: str, answer: int) -> dict[str, Any]:
+        return {
+            "prompt": [
+                {"role": "system", "content": self.params.system_prompt},
+                *[dict(m) for m in self.params.examples],
+                {"role": "user", "content": question},
+            ],
+            "question": question,
+            "answer": str(answer),
+        }
 
     def load(self, seed: int) -> Any:
         """A ``datasets.Dataset`` with ``prompt``, ``question`` and ``answer`` columns."""
         from datasets import Dataset
 
         return Dataset.from_list(self.rows(seed))
+
+    def load_eval(self, seed: int) -> Any:
+        """The held-out split (:meth:`eval_rows`): same columns as :meth:`load`, no shared prompt."""
+        from datasets import Dataset
+
+        return Dataset.from_list(self.eval_rows(seed))

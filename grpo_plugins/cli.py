@@ -1,4 +1,4 @@
-"""The ``grpo-plugins`` command line: list/show plugins, validate and plan configs, train.
+"""The ``grpo-plugins`` command line: list/show plugins, validate and plan configs, train, evaluate.
 
 Every user mistake (a :class:`~grpo_plugins.errors.GRPOPluginsError`, a bad YAML file) is
 printed as one red message on stderr with exit status 2, never a traceback (``--debug`` shows
@@ -8,6 +8,7 @@ it). Ctrl-C exits with 130. Heavy modules are imported only by the commands that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -17,7 +18,7 @@ import tempfile
 import types
 import typing
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -402,6 +403,70 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from grpo_plugins.config import ConfigError, load_config
+    from grpo_plugins.validation import eval_prompts_problem, validate_config
+
+    config = validate_config(load_config(args.config, args.set))
+    problem = eval_prompts_problem(config)
+    if problem is not None:
+        raise ConfigError([problem], args.config)
+    _show_info_logs()
+    from grpo_plugins.evaluation import evaluate
+
+    with _eval_progress() as progress:
+        result = evaluate(config, checkpoint=args.checkpoint, base=args.base, progress=progress)
+    if args.json:
+        _print_json(result.to_json())
+        return 0
+    _print_eval(result)
+    return 0
+
+
+@contextlib.contextmanager
+def _eval_progress() -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr for the generate calls of ``eval`` (terminals only)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        console=_console(stderr=True), transient=True,
+    ) as bar:
+        task = bar.add_task("eval", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _print_eval(result: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    ks = sorted({k for r in result.rewards for k in r.pass_at})
+    console = _console()
+    console.print(
+        f"[bold]eval of {escape(result.model)}[/bold]: {result.num_prompts} prompts x {result.num_generations} "
+        f"samples + 1 greedy each ({result.seconds:.1f} s)",
+        soft_wrap=True,
+    )
+    table = Table()
+    for column in ("reward", "weight", "mean", *(f"pass@{k}" for k in ks), "greedy"):
+        table.add_column(column, justify="left" if column == "reward" else "right")
+    for r in result.rewards:
+        table.add_row(
+            escape(r.name), f"{r.weight:g}", cell(r.mean), *(cell(r.pass_at.get(k)) for k in ks), cell(r.greedy)
+        )
+    table.add_row("[bold]weighted[/bold]", "", cell(result.reward), *("" for _ in ks), cell(result.greedy_reward))
+    console.print(table)
+    console.print(
+        f"mean completion length {result.mean_length:.1f} tokens ({result.clipped_ratio:.0%} cut at "
+        f"max_completion_length); greedy {result.greedy_mean_length:.1f}. pass@k: rewards that scored only 0 and 1."
+    )
+
 def cmd_export(args: argparse.Namespace) -> int:
     from grpo_plugins.export import export
 
@@ -606,6 +671,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
                    help="continue from the last checkpoint (of output_dir, or of DIR)")
     p.set_defaults(func=cmd_train)
+
+    p = command("eval", "evaluate a checkpoint (or the untrained model) on the config's eval prompts")
+    p.add_argument("config", help="YAML config file")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", metavar="PATH",
+                       help="a checkpoint, a run directory (its newest checkpoint) or a model directory; "
+                            "default: the newest checkpoint in the config's output_dir")
+    which.add_argument("--base", action="store_true", help="evaluate the config's model untrained (no adapter)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_set(p)
+    p.set_defaults(func=cmd_eval)
 
     p = command("export", "write a trained policy as a transformers checkpoint (LoRA merged) and/or a GGUF file")
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run's output directory (its latest checkpoint) or a checkpoint")

@@ -8,6 +8,7 @@ are names looked up in the registry; each may also be written as ``{name: ..., p
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -257,6 +258,14 @@ class GRPOConfig(_Strict):
         description="Rows per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. Less activation memory; None: the whole micro-batch at once.",
     )
 
+    # -- evaluation -----------------------------------------------------------------------------
+    eval_dataset: DatasetSpec | None = Field(None, description="Prompts to evaluate on (grpo-plugins eval, and during training); None: the task's held-out split.")
+    eval_strategy: Literal["no", "steps"] = Field("no", description="TRL's name: 'steps' evaluates during training every eval_steps optimizer steps; 'no' never.")
+    eval_steps: float | None = Field(None, gt=0, description="Evaluate every N optimizer steps (with eval_strategy: steps); a value below 1 is a fraction of the run's steps; None: logging_steps.")
+    eval_on_start: bool = Field(False, description="Also evaluate before the first optimizer step (logged as step 0), with eval_strategy: steps.")
+    num_generations_eval: int | None = Field(None, ge=1, description="Samples per eval prompt (n of pass@k); None: num_generations.")
+    per_device_eval_batch_size: int = Field(8, ge=1, description="Completions generated at once per process when evaluating.")
+
     # -- output ---------------------------------------------------------------------------------
     output_dir: str = Field("outputs/grpo", description="Where metrics.jsonl, TensorBoard events, checkpoints and config.yaml go.")
     logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
@@ -369,6 +378,12 @@ class GRPOConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _eval_steps(self) -> GRPOConfig:
+        if self.eval_steps is not None and self.eval_steps > 1 and self.eval_steps != int(self.eval_steps):
+            raise FieldError("eval_steps", f"must be a whole number of steps, or a fraction below 1 of the run's steps; got {self.eval_steps}")
+        return self
+
     @field_validator("num_generations")
     @classmethod
     def _at_least_two(cls, value: int) -> int:
@@ -388,6 +403,19 @@ class GRPOConfig(_Strict):
     @property
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def resolved_num_generations_eval(self) -> int:
+        return self.num_generations if self.num_generations_eval is None else self.num_generations_eval
+
+    def resolved_eval_steps(self, total_steps: int) -> int:
+        """Optimizer steps between evaluations: ``eval_steps`` (a fraction of ``total_steps``
+        when below 1, rounded up as TRL does), else ``logging_steps``."""
+        if self.eval_steps is None:
+            return self.logging_steps
+        if self.eval_steps < 1:
+            return max(1, math.ceil(self.eval_steps * total_steps))
+        return int(self.eval_steps)
 
     @property
     def resolved_generator(self) -> str | ComponentRef:
@@ -421,6 +449,7 @@ CONFIG_SECTIONS: dict[str, str] = {
     "generator": "Generation",
     "per_device_train_batch_size": "Batching",
     "learning_rate": "Optimisation",
+    "eval_dataset": "Evaluation",
     "output_dir": "Output and plugins",
 }
 

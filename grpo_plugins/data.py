@@ -161,19 +161,78 @@ def load_prompts(config: GRPOConfig, registry: Registry) -> tuple[datasets.Datas
     else:
         raise DataError("the config names neither a dataset nor a task; set one of them")
 
+    hint = "dataset.prompt_column" if config.dataset is not None else None
+    return _with_prompt_column(dataset, column, where, hint), task
+
+
+def _with_prompt_column(dataset: datasets.Dataset, column: str, where: str, setting: str | None) -> datasets.Dataset:
+    """``dataset`` with its prompt ``column`` renamed to ``prompt``, checked (``setting``: the
+    config key that names the column, for the messages)."""
     if column not in dataset.column_names:
-        hint = " (set dataset.prompt_column)" if config.dataset is not None else ""
+        hint = f" (set {setting})" if setting else ""
         raise DataError(
             f"{where} has no column '{column}'{hint}; its columns: {', '.join(dataset.column_names)}"
         )
     if column != "prompt":
         if "prompt" in dataset.column_names:
-            raise DataError(
-                f"{where} has both '{column}' (dataset.prompt_column) and 'prompt'; rename or drop one"
-            )
+            raise DataError(f"{where} has both '{column}' ({setting}) and 'prompt'; rename or drop one")
         dataset = dataset.rename_column(column, "prompt")
     _check_prompts(dataset, where)
-    return dataset, task
+    return dataset
+
+
+def load_eval_prompts(
+    config: GRPOConfig,
+    registry: Registry,
+    tokenizer: Any,
+    dataset: Any = None,
+    task: Any = None,
+    *,
+    trains_on_task: bool = True,
+) -> datasets.Dataset:
+    """The prompts to evaluate on, with a ``prompt`` column, checked against max_prompt_length.
+
+    ``dataset`` (a ``datasets.Dataset``, a list of row dicts or a mapping of columns) comes first,
+    then ``config.eval_dataset``, then the held-out split of the task (``task`` built, or built
+    from ``config.task``: its ``load_eval(config.seed)``) -- only when training uses the task's
+    own data (no ``dataset:``, and ``trains_on_task``), since only then is it held out.
+
+    Raises:
+        DataError: there are no eval prompts, or they cannot be read.
+    """
+    import datasets
+
+    if dataset is not None:
+        if isinstance(dataset, list):
+            dataset = datasets.Dataset.from_list(dataset)
+        elif isinstance(dataset, Mapping):
+            dataset = datasets.Dataset.from_dict(dict(dataset))
+        dataset = _with_prompt_column(dataset, "prompt", "the eval dataset", None)
+    elif config.eval_dataset is not None:
+        spec = config.eval_dataset
+        dataset = _with_prompt_column(
+            load_dataset_spec(spec), spec.prompt_column, f"eval_dataset '{spec.path}'", "eval_dataset.prompt_column"
+        )
+    elif config.dataset is not None or not trains_on_task:
+        raise DataError(
+            "no prompts to evaluate on: training uses its own dataset, so the task's held-out split does "
+            "not apply; set eval_dataset (e.g. {path: eval.jsonl})"
+        )
+    else:
+        ref = component_ref(config.task)
+        if task is None and ref is not None:
+            task = registry.build("task", ref.name, ref.params)
+        load_eval = getattr(task, "load_eval", None)
+        dataset = load_eval(config.seed) if load_eval is not None else None
+        if dataset is None:
+            which = f"the task '{ref.name}' has no held-out split" if ref is not None else "the config names no task"
+            raise DataError(f"no prompts to evaluate on: {which}; set eval_dataset (e.g. {{path: eval.jsonl}})")
+        assert ref is not None
+        dataset = _with_prompt_column(dataset, "prompt", f"the held-out split of task '{ref.name}'", None)
+    check_prompt_lengths(
+        tokenizer, dataset["prompt"], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation
+    )
+    return dataset
 
 
 #: Prompts checked up front by :func:`check_prompt_lengths`; larger datasets are checked as

@@ -41,6 +41,7 @@ from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
 from grpo_plugins.episodes import build_environment
 from grpo_plugins.errors import TrainingError
+from grpo_plugins.evaluation import Evaluator
 from grpo_plugins.generators import build_generator
 from grpo_plugins.guards import NonFiniteError, RunGuard
 from grpo_plugins.metrics import MetricsWriter
@@ -70,6 +71,7 @@ class TrainResult:
         metrics: the last logged metrics.
         checkpoint: the final checkpoint directory (None on non-main processes).
         history: every metrics record this run logged (main process).
+        evals: every evaluation this run made (``eval_strategy: steps``), with its ``step``.
     """
 
     output_dir: Path
@@ -77,6 +79,7 @@ class TrainResult:
     metrics: dict[str, float]
     checkpoint: Path | None
     history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
 
 
 class Engine:
@@ -93,6 +96,9 @@ class Engine:
             the task's default rewards.
         dataset: a ``datasets.Dataset`` (or a list of row dicts) with a prompt column; default:
             ``config.dataset`` or the task's data.
+        eval_dataset: prompts to evaluate on every ``eval_steps`` (with ``eval_strategy:
+            steps``); default: ``config.eval_dataset``, or the task's held-out split when training
+            on the task's data.
         environment: an already built environment (e.g. ``ToolCalling(functions=[my_tool])``);
             default: ``config.environment``.
         registry: where components are looked up (default: the process-wide registry, or one
@@ -111,6 +117,7 @@ class Engine:
         tokenizer: Any = None,
         rewards: Sequence[Callable[..., Any]] | None = None,
         dataset: Any = None,
+        eval_dataset: Any = None,
         environment: Any = None,
         registry: Registry | None = None,
     ) -> None:
@@ -127,6 +134,10 @@ class Engine:
         self._given_tokenizer = tokenizer
         self._given_rewards = list(rewards) if rewards is not None else None
         self._given_dataset = dataset
+        self._given_eval_dataset = eval_dataset
+        self.evaluator: Evaluator | None = None
+        self.eval_every = 0
+        self.evals: list[dict[str, float]] = []
         self._given_environment = environment
         self.trace: list[dict[str, Any]] = []
         # Built by _setup():
@@ -212,6 +223,15 @@ class Engine:
             cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),
             self.guard, self.master,
         )
+        if cfg.eval_strategy == "steps":
+            from grpo_plugins.data import load_eval_prompts
+
+            eval_prompts = load_eval_prompts(
+                cfg, reg, self.tokenizer, self._given_eval_dataset, self.task,
+                trains_on_task=self._given_dataset is None,
+            )
+            self.evaluator = Evaluator(cfg, self.generator, self.rewards, self.tokenizer, eval_prompts, acc)
+            self.eval_every = cfg.resolved_eval_steps(self.total_steps)
         # Sampling differs per process (each generates different completions), so seed by rank.
         set_seed(cfg.seed + acc.process_index)
 
@@ -279,6 +299,11 @@ class Engine:
         self.log = StepLog(self.writer, cfg.logging_steps, self.total_steps, acc.device, log_window)
         last_saved = self.global_step if resumed_from is not None else -1
         final: Path | None = None
+        if self.evaluator is not None and self.config.eval_on_start and self.global_step == 0:
+            try:
+                self._evaluate()
+            except RewardFailed as failed:
+                raise failed.error from None
 
         while self.global_step < self.total_steps:
             steps = plan.cycle(cycle, acc.process_index)
@@ -299,8 +324,19 @@ class Engine:
                 window = AccumulationWindow()
                 self.log.step(self.global_step, record, self.num_tokens)
                 done = self.global_step >= self.total_steps
+                mid_cycle = k + 1 < len(steps)
+                if self.evaluator is not None and self.global_step % self.eval_every == 0:
+                    try:
+                        self._evaluate()
+                    except RewardFailed as failed:
+                        # The step is done: keep it (as a failing reward in a rollout does).
+                        if self.global_step != last_saved:
+                            if mid_cycle:
+                                self._save(cycle, k + 1, rollout)
+                            else:
+                                self._save(cycle + 1, 0, None)
+                        raise failed.error from None
                 if done or (cfg.save_steps and self.global_step % cfg.save_steps == 0):
-                    mid_cycle = k + 1 < len(steps)
                     final = self._save(cycle, k + 1, rollout) if mid_cycle else self._save(cycle + 1, 0, None)
                     last_saved = self.global_step
                 if done:
@@ -314,7 +350,18 @@ class Engine:
             metrics=self.log.last_logged,
             checkpoint=final if acc.is_main_process else None,
             history=self.log.history,
+            evals=self.evals,
         )
+
+    def _evaluate(self) -> None:
+        """Evaluate the policy now and log ``eval/...`` metrics at the current step (training's
+        random streams and the generator's state are left as they were)."""
+        assert self.evaluator is not None and self.writer is not None and self.guard is not None
+        with self.guard.phase("evaluation", self.global_step):
+            result = self.evaluator.run(step=self.global_step, model=f"step {self.global_step}")
+        metrics = result.metrics()
+        self.writer.log_eval(self.global_step, metrics)
+        self.evals.append({"step": self.global_step, **metrics})
 
     def _next_rollout(self, cycle: int, saved: bool) -> Rollout:
         """The rollout of ``cycle``; a failing reward or a NaN/inf with on_nonfinite: stop ends the

@@ -16,7 +16,8 @@ config check and the contract checks of ``grpo_plugins.testing`` all read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -283,6 +284,17 @@ class Generator:
     def on_weights_updated(self, model: Any) -> None:
         """Called after each optimizer step."""
 
+    @contextmanager
+    def sampling_override(self, sampling: SamplingSettings) -> Iterator[None]:
+        """Generate with ``sampling`` instead of the run's settings inside the block (evaluation's
+        greedy pass uses ``top_k=1``). The default swaps ``self.sampling``; a backend that bakes
+        the settings into state built in ``setup`` overrides it."""
+        previous, self.sampling = self.sampling, sampling
+        try:
+            yield
+        finally:
+            self.sampling = previous
+
 
 # --------------------------------------------------------------------------------------------
 # Environments (rollouts) and tools
@@ -384,7 +396,8 @@ class Task:
 
     ``load`` returns a ``datasets.Dataset`` with a ``prompt`` column (a string, or a list of chat
     messages) and any other columns the rewards read (they reach reward functions as keyword
-    arguments). ``default_rewards`` are used when the config names no rewards; entries are
+    arguments). ``load_eval`` (optional) returns held-out prompts for ``grpo-plugins eval`` and
+    evaluation during training, disjoint from ``load``'s. ``default_rewards`` are used when the config names no rewards; entries are
     written as in the config (``"name"`` or ``{"name": ..., "weight": ..., "params": ...}``).
     """
 
@@ -393,6 +406,11 @@ class Task:
 
     def load(self, seed: int) -> Any:
         raise NotImplementedError
+
+    def load_eval(self, seed: int) -> Any:
+        """The task's held-out prompts for evaluation (same columns as ``load``), which share no
+        prompt with ``load(seed)``; None (the default): the task has no held-out split."""
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,6 +431,8 @@ class ComponentKind:
         config_field: the run-config field that names the run's component(s) of this kind.
         contract_check: ``module:function`` of the behaviour check run by
             :func:`grpo_plugins.testing.check_component` (imported only when checking).
+        optional: interface methods a component may leave out (the core then uses the base
+            class's default).
     """
 
     name: str
@@ -421,6 +441,7 @@ class ComponentKind:
     interface: type | Callable[..., Any]
     config_field: str
     contract_check: str
+    optional: tuple[str, ...] = ()
 
 
 _CHECKS = "grpo_plugins.testing.contracts"
@@ -463,7 +484,7 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
         ComponentKind(
             "generator", "register_generators",
             "Register generation backends (kind ``generator``).\n\nSee :class:`grpo_plugins.kinds.Generator`.",
-            Generator, "generator", f"{_CHECKS}:check_generator",
+            Generator, "generator", f"{_CHECKS}:check_generator", ("sampling_override",),
         ),
         ComponentKind(
             "group_filter", "register_group_filters",
@@ -487,7 +508,7 @@ COMPONENT_KINDS: dict[str, ComponentKind] = {
             "task", "register_tasks",
             "Register tasks (kind ``task``): a dataset plus its default rewards.\n\n"
             "See :class:`grpo_plugins.kinds.Task`.",
-            Task, "task", f"{_CHECKS}:check_task",
+            Task, "task", f"{_CHECKS}:check_task", ("load_eval",),
         ),
     )
 }

@@ -75,6 +75,25 @@ def completion_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
     }
 
 
+def eval_line(step: int, metrics: dict[str, float]) -> str:
+    """The console line of an evaluation: reward, each reward's mean (with pass@k and the greedy
+    score when it has them), mean completion length, seconds."""
+    parts = [f"eval step {step}", f"reward {metrics.get('eval/reward', float('nan')):.3f}"]
+    names = [k[len("eval/rewards/"):-len("/mean")] for k in metrics if k.startswith("eval/rewards/") and k.endswith("/mean")]
+    for name in names:
+        prefix = f"eval/rewards/{name}/"
+        stats = [f"{metrics[prefix + 'mean']:.3f}"] + [
+            f"{key[len(prefix):]} {value:.3f}" for key, value in metrics.items()
+            if key.startswith(prefix + "pass@") or key == prefix + "greedy"
+        ]
+        parts.append(f"{name} " + " ".join(stats))
+    if "eval/completions/mean_length" in metrics:
+        parts.append(f"len {metrics['eval/completions/mean_length']:.1f}")
+    if "eval/seconds" in metrics:
+        parts.append(f"{metrics['eval/seconds']:.1f} s")
+    return " | ".join(parts)
+
+
 def _finite(value: Any) -> float:
     """A float, with NaN (no scored sample at all) reported as 0.0 so no metric is NaN."""
     v = float(value)
@@ -218,6 +237,12 @@ class MetricsWriter:
         """Write one logged step (metrics already averaged over the logging window)."""
         if not self.enabled:
             return
+        self._record(step, metrics)
+        if self._lines:
+            print(self.line(step, metrics), flush=True)
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        """One record in metrics.jsonl and TensorBoard scalars."""
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()
@@ -225,8 +250,19 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self._lines:
-            print(self.line(step, metrics), flush=True)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Write an evaluation (``eval/...`` metrics) at ``step``: its own record in metrics.jsonl,
+        TensorBoard scalars, and one console line (also above the live bar)."""
+        if not self.enabled:
+            return
+        self._record(step, metrics)
+        if self._progress is not None:
+            from rich.markup import escape
+
+            self._progress.console.print(escape(eval_line(step, metrics)))
+        elif self._lines:
+            print(eval_line(step, metrics), flush=True)
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The compact console line of a logged step: step, reward and each reward component,

@@ -181,6 +181,26 @@ def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
     return bool(setting)
 
 
+def score_completions(
+    tokenizer: Any,
+    rewards: Any,
+    prompts: list[Any],
+    completion_ids: Tensor,
+    lengths: Tensor,
+    columns: dict[str, list[Any]],
+    step: int,
+) -> tuple[Tensor, list[str]]:
+    """Decode completions (B, T) cut at ``lengths`` (B,) and score them with the
+    :class:`~grpo_plugins.rewards.RewardRunner` ``rewards``: ((B, K) rewards, NaN for None; texts).
+
+    Raises:
+        RewardError: a reward failed (see the runner's ``on_error``).
+    """
+    id_lists = [completion_ids[i, : int(lengths[i])].tolist() for i in range(len(prompts))]
+    texts = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
+    return rewards(prompts, texts, id_lists, columns, step=step), texts
+
+
 @dataclass
 class Policy:
     """The model being trained, as the rollout and the micro-steps see it.

@@ -289,8 +289,15 @@ def _report_to(value: Any, data: Mapping[str, Any]) -> Translation:
     return {"report_to": items}, None
 
 
-def _eval_strategy(value: Any) -> bool:
-    return value in ("no", None) or getattr(value, "value", None) == "no"
+def _eval_strategy(value: Any, data: Mapping[str, Any]) -> Translation:
+    value = getattr(value, "value", value)  # transformers' IntervalStrategy enum
+    if value is None:
+        value = "no"
+    if value == "epoch":
+        raise FieldError(
+            "eval_strategy", "'epoch' is not supported here; use eval_strategy: steps with eval_steps (optimizer steps)"
+        )
+    return {"eval_strategy": value}, None
 
 
 def _save_steps(value: Any, data: Mapping[str, Any]) -> Translation:
@@ -316,7 +323,6 @@ def _logging_dir(value: Any, data: Mapping[str, Any]) -> Translation:
 # -- the table ---------------------------------------------------------------------------------
 
 _G, _T, _TR = "GRPOConfig", "TrainingArguments", "GRPOTrainer"
-_EVAL = "not supported yet in this version (evaluation is being added): train without evaluation and evaluate the saved checkpoint"
 _TOOLS = "not supported yet in this version (tool environments are being added): train without tool calls"
 _HUB = "there is no model hub here: checkpoints and completions stay in output_dir"
 
@@ -336,7 +342,7 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("cast_lm_head_to_fp32", _G, "same", "`cast_lm_head_to_fp32`", False),
         # ---- data ----------------------------------------------------------------------------
         _key("num_generations", _G, "same", "`num_generations`", 8),
-        _key("num_generations_eval", _G, "not_yet", _EVAL, None, noop=_is(None)),
+        _key("num_generations_eval", _G, "same", "`num_generations_eval` (samples per eval prompt, n of pass@k)", None),
         _key("max_completion_length", _G, "same", "`max_completion_length` (here 256 by default)", 512),
         _key("ds3_gather_for_generation", _G, "not_applicable", "DeepSpeed ZeRO-3 generation without gathering is not supported; leave it true (the default)", True, noop=_is(True)),
         _key("shuffle_dataset", _G, "same", "`shuffle_dataset`", True),
@@ -441,10 +447,11 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("report_to", _T, "same", "`report_to` (jsonl, tensorboard; none = [], all = both)", "none", translate=_report_to),
         _key("logging_dir", _T, "translated", "ignored: TensorBoard events go to output_dir/tensorboard", None, translate=_logging_dir),
         _key("run_name", _T, "not_applicable", "runs are named by output_dir", None, noop=lambda v: True),
-        _key("eval_strategy", _T, "not_yet", _EVAL, "no", noop=_eval_strategy),
-        _key("eval_steps", _T, "not_yet", _EVAL, None, noop=_is(None)),
-        _key("per_device_eval_batch_size", _T, "not_yet", _EVAL, 8, noop=lambda v: True),
-        _key("do_eval", _T, "not_yet", _EVAL, False, noop=_is(False)),
+        _key("eval_strategy", _T, "same", "`eval_strategy` (no, steps; not epoch)", "no", translate=_eval_strategy),
+        _key("eval_steps", _T, "same", "`eval_steps` (a fraction below 1 of the run's steps, too)", None),
+        _key("eval_on_start", _T, "same", "`eval_on_start`", False),
+        _key("per_device_eval_batch_size", _T, "same", "`per_device_eval_batch_size` (completions per generate call when evaluating)", 8),
+        _key("do_eval", _T, "not_applicable", "`eval_strategy: steps` decides (TRL's trainer does not read do_eval either)", False, noop=lambda v: True),
         _key("remove_unused_columns", _T, "not_applicable", "every dataset column reaches the rewards (TRL's GRPO default, false)", False, noop=_is(False)),
         _key("resume_from_checkpoint", _T, "not_applicable", "use `grpo-plugins train CONFIG --resume [DIR]`", None, noop=_is(None)),
         _key("push_to_hub", _T, "not_applicable", _HUB, False, noop=_is(False)),

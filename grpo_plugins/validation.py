@@ -129,6 +129,7 @@ def check_config(
     _check_quantization(check)
     _check_generator(check)
     _check_data(check)
+    _check_eval(check)
     _check_reward_columns(check)
     try:
         check.plan = plan_from_config(config, num_processes, registry)
@@ -272,6 +273,45 @@ def _check_data(check: ConfigCheck) -> None:
                 check.problems.append((where, f"no such file: {name}"))
             elif _is_blank(name):
                 check.problems.append((where, f"the file is empty, so the run would have no prompts: {name}"))
+
+
+def eval_prompts_problem(config: GRPOConfig, registry: Registry | None = None) -> tuple[str, str] | None:
+    """Why ``config`` has no prompts to evaluate on, as ``(field, message)``, or None: it has an
+    ``eval_dataset``, or trains on a task whose held-out split (``load_eval``) exists."""
+    from grpo_plugins.kinds import Task
+
+    if config.eval_dataset is not None:
+        return None
+    hint = "set eval_dataset (e.g. {path: eval.jsonl})"
+    if config.dataset is not None:
+        return ("eval_dataset", f"training uses dataset:, so no task's held-out split applies; {hint}")
+    ref = component_ref(config.task)
+    if ref is None:
+        return ("eval_dataset", f"the config has no task with a held-out split; {hint}")
+    registry = registry if registry is not None else registry_for(config.disable_plugins)
+    try:
+        obj = registry.get("task", ref.name).obj
+    except GRPOPluginsError:
+        return None  # reported where the task is resolved
+    method = getattr(obj, "load_eval", None)
+    if method is None or method is Task.load_eval:
+        return ("eval_dataset", f"task '{ref.name}' has no held-out split (load_eval); {hint}")
+    return None
+
+
+def _check_eval(check: ConfigCheck) -> None:
+    config = check.config
+    if config.eval_strategy == "steps":
+        problem = eval_prompts_problem(config, check.registry)
+        if problem is not None:
+            check.problems.append((problem[0], f"eval_strategy: steps needs prompts to evaluate on: {problem[1]}"))
+    spec = config.eval_dataset
+    files = spec.data_files if spec is not None else None
+    listed = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else []
+    for i, name in enumerate(listed):
+        where = "eval_dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
+        if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
+            check.problems.append((where, f"no such file: {name}"))
 
 
 #: Arguments the engine always passes to a reward; any other required argument is a column.
@@ -435,6 +475,13 @@ def _check_generator(check: ConfigCheck) -> None:
 
 
 def _warn_questionable(config: GRPOConfig) -> None:
+    if config.eval_strategy == "no" and (config.eval_steps is not None or config.eval_on_start):
+        warnings.warn(
+            "eval_steps/eval_on_start have no effect while eval_strategy is 'no' (as in TRL); set "
+            "eval_strategy: steps to evaluate during training",
+            ConfigWarning,
+            stacklevel=3,
+        )
     if config.delta is not None and config.delta <= 1 + config.epsilon:
         warnings.warn(
             f"delta ({config.delta}) is not above 1 + epsilon ({1 + config.epsilon}); two-sided "

@@ -315,6 +315,25 @@ def test_compiled_decode_is_one_graph_per_function_across_layers_and_buckets(tin
     torch._dynamo.reset()
 
 
+def test_sampling_override_decodes_greedily_then_restores_the_run_settings(tiny_model: dict) -> None:
+    model, tokenizer = _load(tiny_model)
+    greedy = SamplingSettings(max_completion_length=8, top_k=1)
+    reference = get_registry().build("generator", "transformers")
+    reference.setup(model, tokenizer, greedy)
+    expected = reference.generate(PROMPTS).completion_ids
+
+    run_settings = SamplingSettings(max_completion_length=8, seed=11)
+    generator = get_registry().build("generator", "static")
+    generator.setup(model, tokenizer, run_settings)
+    before = generator.generate(PROMPTS).completion_ids
+    with generator.sampling_override(greedy):
+        assert generator.sampling is greedy
+        assert torch.equal(generator.generate(PROMPTS).completion_ids, expected)
+    assert generator.sampling is run_settings
+    generator.calls = 0  # the same seed again: the run's own decoder samples as before
+    assert torch.equal(generator.generate(PROMPTS).completion_ids, before)
+
+
 def _lora_qwen2(tiny_qwen2: dict) -> object:
     model, _ = load_model(tiny_qwen2, dtype="float32", lora={"r": 4, "target_modules": "all-linear"}, seed=0)
     with torch.no_grad():
@@ -370,3 +389,17 @@ def test_merged_weights_are_off_for_dora_and_refused_when_forced(tiny_qwen2: dic
     torch.manual_seed(1)
     direct = StaticDecoder(plain, sampling, [2], 0).generate(PROMPTS)
     assert torch.equal(fused[0], direct[0])
+
+
+def test_greedy_override_of_a_lora_model_shares_the_merged_weights(tiny_qwen2: dict) -> None:
+    model = _lora_qwen2(tiny_qwen2)
+    _, tokenizer = _load(tiny_qwen2)
+    greedy = SamplingSettings(max_completion_length=8, top_k=1)
+    reference = get_registry().build("generator", "transformers")
+    reference.setup(model, tokenizer, greedy)
+    generator = get_registry().build("generator", "static")
+    generator.setup(model, tokenizer, SamplingSettings(max_completion_length=8))
+    with generator.sampling_override(greedy):
+        assert torch.equal(generator.generate(PROMPTS).completion_ids, reference.generate(PROMPTS).completion_ids)
+    (other,) = generator._other_decoders.values()
+    assert other.merge_weights and other._merged is generator._decoder._merged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -105,3 +106,62 @@ def test_default_rewards_score_ideal_and_sloppy_answers(registry):
     with RewardRunner(specs, registry) as runner:
         out = runner([r["prompt"] for r in rows], completions, None, {"answer": answers})
     assert out.tolist() == [[1.0, 1.0], [1.0, 0.5], [0.0, 1.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"num_samples": 300, "num_eval_samples": 50, "style": "story"}, {"operations": ["+", "-", "*", "/"], "max_operand": 9}, {"seed": 4}],
+)
+def test_held_out_split_shares_no_prompt_with_the_training_prompts(registry, params):
+    t = task(registry, **params)
+    for seed in (0, 1, 42):
+        train = {json.dumps(row["prompt"]) for row in t.rows(seed)}
+        held_out = [json.dumps(p) for p in t.load_eval(seed)["prompt"]]
+        assert len(held_out) == t.params.num_eval_samples == len(set(held_out))  # no duplicates either
+        assert train.isdisjoint(held_out)
+
+
+def test_held_out_split_is_deterministic_and_has_the_training_columns(registry):
+    t = task(registry, num_samples=50, num_eval_samples=10)
+    assert t.eval_rows(3) == t.eval_rows(3) and t.eval_rows(3) != t.eval_rows(4)
+    rows = t.eval_rows(3)
+    assert set(rows[0]) == {"prompt", "question", "answer"}
+    for row in rows:
+        a, b = _numbers(row["question"])
+        assert row["answer"] == str(a + b)
+
+
+def test_a_problem_space_too_small_for_a_held_out_split_is_a_clear_error(registry):
+    from grpo_plugins.data import DataError
+
+    t = task(registry, max_operand=2, style="expression", num_samples=100, num_eval_samples=5)  # 4 questions in all
+    with pytest.raises(DataError, match="found only 0 of num_eval_samples=5 held-out questions"):
+        t.load_eval(0)
+
+
+def test_the_task_contract_rejects_a_held_out_split_that_overlaps_training():
+    import datasets
+
+    from grpo_plugins.testing import ComponentContractError
+
+    class Leaky:
+        default_rewards = ["correct_answer"]
+
+        def load(self, seed):
+            return datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}])
+
+        def load_eval(self, seed):
+            return datasets.Dataset.from_list([{"prompt": "b"}, {"prompt": "c"}])
+
+    with pytest.raises(ComponentContractError, match="1 prompt.* of load_eval.0. are also prompts of load.0."):
+        check_component("task", Leaky, name="leaky")
+
+
+def test_a_task_without_a_held_out_split_still_meets_the_contract():
+    import datasets
+
+    class Plain:
+        def load(self, seed):
+            return datasets.Dataset.from_list([{"prompt": "a"}])
+
+    check_component("task", Plain, name="plain")

@@ -134,13 +134,19 @@ def test_training_arguments_keys():
     assert (config.max_steps, config.report_to, config.save_steps, config.dtype) == (None, [], 500, "float16")
 
 
+def test_trl_evaluation_keys_keep_their_meaning():
+    config = load_config({"eval_strategy": "steps", "eval_steps": 0.1, "num_generations_eval": 4,
+                          "per_device_eval_batch_size": 16, "eval_on_start": True, "do_eval": True})
+    assert (config.eval_strategy, config.resolved_eval_steps(100), config.resolved_num_generations_eval) == ("steps", 10, 4)
+    assert (config.per_device_eval_batch_size, config.eval_on_start) == (16, True)
+
+
 @pytest.mark.parametrize(("data", "key", "says"), [
     ({"log_completions_hub_repo": "me/completions"}, "log_completions_hub_repo", "completions.jsonl"),
     ({"push_to_hub": True}, "push_to_hub", "no model hub"),
     ({"tools": ["my_pkg.tools:search"]}, "tools", "not supported yet in this version"),
     ({"ds3_gather_for_generation": False}, "ds3_gather_for_generation", "DeepSpeed ZeRO-3"),
-    ({"eval_strategy": "steps"}, "eval_strategy", "not supported yet in this version"),
-    ({"num_generations_eval": 4}, "num_generations_eval", "not supported yet in this version"),
+    ({"eval_strategy": "epoch"}, "eval_strategy", "use eval_strategy: steps with eval_steps"),
     ({"max_tool_calling_iterations": 3}, "max_tool_calling_iterations", "not supported yet in this version"),
     ({"report_to": "wandb"}, "report_to", "'wandb' is not available here"),
     ({"loss_type": {"name": "sapo", "params": {"temperature_pos": 2.0}}, "sapo_temperature_pos": 1.5},

@@ -16,7 +16,9 @@ bitsandbytes-quantised base the step is not compiled unless asked (see :func:`de
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,41 +77,73 @@ class StaticCacheGenerator(Generator):
         self.calls = 0
         self._decoder: StaticDecoder | None = None
         self._fallback: Generator | None = None
+        self._other_decoders: dict[str, StaticDecoder] = {}  # by sampling settings
 
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
-        import torch
-
-        from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError
-        from grpo_plugins.generators.common import eos_token_ids, unwrap_model
+        from grpo_plugins.generators.static_decode import UnsupportedModelError
         from grpo_plugins.models import prepare_tokenizer
-        from grpo_plugins.quantization import is_quantized
 
         super().setup(model, tokenizer, sampling)
         if tokenizer.pad_token_id is None:
             prepare_tokenizer(tokenizer)
-        self._decoder, self._fallback = None, None
+        self._decoder, self._fallback, self._other_decoders = None, None, {}
         try:
-            inner = unwrap_model(model)
-            on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
-            compile_step, cuda_graph = decode_flags(self.params, on_cuda, is_quantized(inner))
-            self._decoder = StaticDecoder(
-                inner,
-                sampling,
-                eos_token_ids(inner, tokenizer),
-                int(tokenizer.pad_token_id),
-                compile=compile_step,
-                cuda_graph=cuda_graph,
-                prompt_multiple=self.params.prompt_multiple,
-                check_every=self.params.check_every,
-                stop_at_eos=not self.params.ignore_eos,
-                max_graphs=self.params.max_graphs,
-                release_cache=self.params.release_cache,
-                merge_weights=self.params.merge_weights,
-            )
+            self._decoder = self._make_decoder(sampling)
         except UnsupportedModelError as exc:
             if not self.params.fallback:
                 raise
             self._use_fallback(str(exc))
+
+    def _make_decoder(self, sampling: SamplingSettings) -> StaticDecoder:
+        import torch
+
+        from grpo_plugins.generators.common import eos_token_ids, unwrap_model
+        from grpo_plugins.generators.static_decode import StaticDecoder
+        from grpo_plugins.quantization import is_quantized
+
+        inner = unwrap_model(self.model)
+        on_cuda = next(inner.parameters()).device.type == "cuda" and torch.cuda.is_available()
+        compile_step, cuda_graph = decode_flags(self.params, on_cuda, is_quantized(inner))
+        return StaticDecoder(
+            inner,
+            sampling,
+            eos_token_ids(inner, self.tokenizer),
+            int(self.tokenizer.pad_token_id),
+            compile=compile_step,
+            cuda_graph=cuda_graph,
+            prompt_multiple=self.params.prompt_multiple,
+            check_every=self.params.check_every,
+            stop_at_eos=not self.params.ignore_eos,
+            max_graphs=self.params.max_graphs,
+            release_cache=self.params.release_cache,
+            merge_weights=self.params.merge_weights,
+        )
+
+    @contextlib.contextmanager
+    def sampling_override(self, sampling: SamplingSettings) -> Iterator[None]:
+        """Decode with ``sampling`` inside the block. The settings are compiled into the decode
+        step, so this uses a second decoder (its own KV caches and graphs; the merged LoRA
+        weights are shared), built on first use and kept for the next evaluation."""
+        if self._decoder is None:  # on the fallback
+            assert self._fallback is not None
+            with self._fallback.sampling_override(sampling):
+                yield
+            return
+        key = repr(sampling)  # the settings as a hashable key (``extra`` is a dict)
+        if key not in self._other_decoders:
+            other = self._make_decoder(sampling)
+            if self._decoder.merge_weights and other.merge_weights:
+                # One set of merged LoRA weights for both decoders (each refreshes it before
+                # decoding), not a second copy of every projection weight.
+                self._decoder._decode_parts()
+                other._merged = self._decoder._merged
+            self._other_decoders[key] = other
+        previous = self._decoder, self.sampling
+        self._decoder, self.sampling = self._other_decoders[key], sampling
+        try:
+            yield
+        finally:
+            self._decoder, self.sampling = previous
 
     def _use_fallback(self, reason: str) -> None:
         from grpo_plugins.registry import get_registry

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -106,6 +107,8 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
     for method, spec in interface_methods(kind).items():
         expected = format_signature(kind if method == "__call__" else method, spec)
         target = built if method == "__call__" else getattr(built, method, None)
+        if target is None and method in COMPONENT_KINDS[kind].optional:
+            continue
         if target is None or not callable(target):
             problems.append(f"missing method: {expected}")
             continue
@@ -373,6 +376,17 @@ def check_task(built: Any, sample: dict[str, Any]) -> list[str]:
         problems.append(f"the dataset from load has no 'prompt' column (columns: {columns})")
     elif len(dataset) == 0:
         problems.append("the dataset from load is empty")
+    load_eval = getattr(built, "load_eval", None)
+    held_out = load_eval(0) if load_eval is not None else None
+    if held_out is not None and not problems:
+        eval_columns = getattr(held_out, "column_names", None)
+        if eval_columns is None or "prompt" not in eval_columns:
+            problems.append(f"load_eval must return None or a datasets.Dataset with a 'prompt' column, got {held_out!r}")
+        else:
+            train = {json.dumps(p, sort_keys=True) for p in dataset["prompt"]}
+            shared = sum(json.dumps(p, sort_keys=True) in train for p in held_out["prompt"])
+            if shared:
+                problems.append(f"{shared} prompt(s) of load_eval(0) are also prompts of load(0); a held-out split must share none")
     return problems
 
 
@@ -527,7 +541,8 @@ def check_component(
       input not modified;
     * rollout_correction: (B, T) or (B, 1) in [0, cap], 1 when sampler and policy agree;
     * task: ``load(0)`` gives a non-empty dataset with a ``prompt`` column, and
-      ``default_rewards`` are names or mappings;
+      ``default_rewards`` are names or mappings; ``load_eval(0)``, when it gives a dataset, has
+      a ``prompt`` column and no prompt of ``load(0)``;
     * group_filter: ``keep`` returns (N/G,) bool, keeps every group when ``drops_groups`` is
       False, input not modified;
     * generator: only the static checks (generating needs a model);

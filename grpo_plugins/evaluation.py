@@ -1,0 +1,528 @@
+"""Evaluation on held-out prompts: ``grpo-plugins eval`` and evaluation during training.
+
+For every eval prompt the run's generator samples ``num_generations_eval`` completions with the
+run's sampling settings, plus one greedy completion (``top_k=1``), and the run's rewards score
+them (the same generator and reward machinery as training). Reported per reward: the mean over
+the samples, the greedy completion's mean score (greedy accuracy for a 0/1 reward) and, for
+rewards that scored only 0 and 1, pass@1 and pass@k (k = ``num_generations_eval``, the unbiased
+estimator :func:`pass_at_k`); over all rewards: the weighted reward and mean completion lengths.
+
+Evaluation does not touch the training's random streams: it samples under its own seed (the
+config's ``seed`` plus the process index, so every evaluation of a run sees the same random
+numbers) inside a saved and restored RNG state, and it restores the generator's own state (its
+call counter) afterwards. An interrupted and resumed run therefore trains and evaluates exactly as
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpo_plugins.checkpoint import STATE_FILE, CheckpointError, capture_rng, latest_checkpoint, restore_rng
+from grpo_plugins.config import GRPOConfig
+from grpo_plugins.errors import TrainingError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from grpo_plugins.registry import Registry
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator ``1 - C(n-c, k) / C(n, k)``: the chance that at least one of
+    ``k`` samples drawn without replacement from ``n`` samples, ``c`` of them correct, is correct
+    (Chen et al. 2021). Exact integer binomials, so it is exact for any n.
+
+    Raises:
+        ValueError: unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardSummary:
+    """One reward's evaluation.
+
+    Attributes:
+        name: the reward's name (as in ``rewards/<name>/mean`` of training).
+        weight: its weight in the weighted reward.
+        mean: mean score over the sampled completions it scored (None: it scored none).
+        greedy: mean score of the greedy completions (greedy accuracy for a 0/1 reward).
+        binary: every score it gave was 0 or 1 (then ``pass_at`` is filled).
+        pass_at: k -> pass@k, averaged over the prompts with at least k scored samples.
+    """
+
+    name: str
+    weight: float
+    mean: float | None
+    greedy: float | None
+    binary: bool
+    pass_at: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    """What an evaluation measured.
+
+    Attributes:
+        num_prompts: eval prompts.
+        num_generations: sampled completions per prompt (``num_generations_eval``).
+        reward: mean weighted reward of the sampled completions.
+        greedy_reward: mean weighted reward of the greedy completions.
+        rewards: one summary per reward, in config order.
+        mean_length: mean length of the sampled completions in tokens (EOS included).
+        clipped_ratio: fraction of sampled completions cut at max_completion_length.
+        greedy_mean_length: mean length of the greedy completions.
+        seconds: wall time of the evaluation.
+        model: what was evaluated (``base``, a checkpoint, or ``step N`` during training).
+    """
+
+    num_prompts: int
+    num_generations: int
+    reward: float | None
+    greedy_reward: float | None
+    rewards: list[RewardSummary]
+    mean_length: float
+    clipped_ratio: float
+    greedy_mean_length: float
+    seconds: float = 0.0
+    model: str = ""
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat metrics as training logs them (``eval/reward``, ``eval/rewards/<name>/pass@8``,
+        ...); values that do not exist (a reward that scored nothing) are left out."""
+        out: dict[str, float | None] = {
+            "reward": self.reward,
+            "greedy/reward": self.greedy_reward,
+        }
+        for r in self.rewards:
+            out[f"rewards/{r.name}/mean"] = r.mean
+            out.update({f"rewards/{r.name}/pass@{k}": v for k, v in r.pass_at.items()})
+            out[f"rewards/{r.name}/greedy"] = r.greedy
+        out.update(
+            {
+                "completions/mean_length": self.mean_length,
+                "completions/clipped_ratio": self.clipped_ratio,
+                "greedy/mean_length": self.greedy_mean_length,
+                "num_prompts": float(self.num_prompts),
+                "seconds": self.seconds,
+            }
+        )
+        return {prefix + k: float(v) for k, v in out.items() if v is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready summary (``grpo-plugins eval --json``)."""
+        return {
+            "model": self.model,
+            "num_prompts": self.num_prompts,
+            "num_generations_eval": self.num_generations,
+            "reward": self.reward,
+            "greedy_reward": self.greedy_reward,
+            "rewards": [
+                {
+                    "name": r.name,
+                    "weight": r.weight,
+                    "mean": r.mean,
+                    "greedy": r.greedy,
+                    "binary": r.binary,
+                    **{f"pass@{k}": v for k, v in r.pass_at.items()},
+                }
+                for r in self.rewards
+            ],
+            "mean_length": self.mean_length,
+            "clipped_ratio": self.clipped_ratio,
+            "greedy_mean_length": self.greedy_mean_length,
+            "seconds": self.seconds,
+            "metrics": self.metrics(),
+        }
+
+
+def _mean(x: Tensor) -> float | None:
+    value = float(x.double().nanmean()) if x.numel() else math.nan
+    return value if math.isfinite(value) else None
+
+
+def summarise(
+    sample_rewards: Tensor,
+    sample_lengths: Tensor,
+    sample_truncated: Tensor,
+    greedy_rewards: Tensor,
+    greedy_lengths: Tensor,
+    names: Sequence[str],
+    weights: Sequence[float],
+) -> EvalResult:
+    """The :class:`EvalResult` of scored completions.
+
+    Args:
+        sample_rewards: (P, n, K) scores of the n sampled completions of each of P prompts; NaN
+            where a reward returned None.
+        sample_lengths: (P, n) their lengths in tokens.
+        sample_truncated: (P, n) bool, cut at max_completion_length.
+        greedy_rewards: (P, K) scores of each prompt's greedy completion.
+        greedy_lengths: (P,) its length.
+        names, weights: the K rewards.
+    """
+    import torch
+
+    from grpo_plugins.advantages import combine_rewards
+
+    P, n, K = sample_rewards.shape
+    r = sample_rewards.double()
+    combined = combine_rewards(r.reshape(P * n, K), list(weights))  # (P*n,)
+    summaries = []
+    for k, (name, weight) in enumerate(zip(names, weights)):
+        col = r[:, :, k]  # (P, n)
+        scored = ~torch.isnan(col)
+        binary = bool(scored.any()) and bool(((col == 0) | (col == 1))[scored].all())
+        pass_at: dict[int, float] = {}
+        if binary:
+            counts, correct = scored.sum(1).tolist(), (col == 1).sum(1).tolist()  # per prompt
+            for kk in sorted({1, n}):
+                values = [pass_at_k(ni, ci, kk) for ni, ci in zip(counts, correct) if ni >= kk]
+                if values:
+                    pass_at[kk] = sum(values) / len(values)
+        summaries.append(
+            RewardSummary(name, float(weight), _mean(col), _mean(greedy_rewards[:, k]), binary, pass_at)
+        )
+    return EvalResult(
+        num_prompts=P,
+        num_generations=n,
+        reward=_mean(combined),
+        greedy_reward=_mean(combine_rewards(greedy_rewards.double().reshape(P, K), list(weights))),
+        rewards=summaries,
+        mean_length=_mean(sample_lengths.double()) or 0.0,
+        clipped_ratio=_mean(sample_truncated.double()) or 0.0,
+        greedy_mean_length=_mean(greedy_lengths.double()) or 0.0,
+    )
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def isolated_rng(seed: int) -> Iterator[None]:
+    """Run the block under ``seed`` (python, numpy, torch and every CUDA device) and put every
+    RNG state back afterwards, as if the block had never drawn a random number."""
+    import numpy as np
+    import torch
+
+    saved = capture_rng()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        yield
+    finally:
+        restore_rng(saved)
+
+
+@contextlib.contextmanager
+def generator_state_kept(generator: Any) -> Iterator[None]:
+    """Restore the generator's own state (e.g. the call counter its seeds derive from) after the
+    block, so that evaluating does not change what training samples next."""
+    state = copy.deepcopy(generator.state_dict()) if hasattr(generator, "state_dict") else None
+    try:
+        yield
+    finally:
+        if state is not None and hasattr(generator, "load_state_dict"):
+            generator.load_state_dict(state)
+
+
+def sampling_override(generator: Any, sampling: Any) -> contextlib.AbstractContextManager[None]:
+    """The generator's ``sampling_override`` (see :class:`~grpo_plugins.kinds.Generator`), or the
+    default (swap its ``sampling``) for a generator that does not subclass it."""
+    from grpo_plugins.kinds import Generator
+
+    override = getattr(generator, "sampling_override", None)
+    return override(sampling) if override is not None else Generator.sampling_override(generator, sampling)
+
+
+def greedy_settings(config: GRPOConfig) -> Any:
+    """The run's sampling settings made greedy: ``top_k=1`` keeps only the most likely token (the
+    run's repetition penalty and ``generation_kwargs`` still apply), so every backend that
+    supports top-k decodes greedily."""
+    from grpo_plugins.kinds import SamplingSettings
+
+    return SamplingSettings(
+        max_completion_length=config.max_completion_length,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=1,
+        min_p=None,
+        repetition_penalty=config.repetition_penalty,
+        seed=None,
+        extra=dict(config.generation_kwargs or {}),
+    )
+
+
+class Evaluator:
+    """Evaluates the model behind ``generator`` on the prompts of ``dataset``.
+
+    Args:
+        config: the run config (``num_generations_eval``, ``per_device_eval_batch_size``, the
+            sampling settings, ``seed``, ``max_prompt_length``).
+        generator: a set-up generator (the training's own during training).
+        rewards: a :class:`~grpo_plugins.rewards.RewardRunner`.
+        tokenizer: the model's tokenizer.
+        dataset: the eval prompts (a ``datasets.Dataset`` with a ``prompt`` column; other columns
+            reach the rewards as keyword arguments).
+        accelerator: the run's accelerator when several processes evaluate together (each takes
+            every ``num_processes``-th prompt); None: one process.
+    """
+
+    def __init__(
+        self, config: GRPOConfig, generator: Any, rewards: Any, tokenizer: Any, dataset: Any, accelerator: Any = None
+    ) -> None:
+        from grpo_plugins.data import encode_prompts
+
+        self.config, self.generator, self.rewards, self.tokenizer = config, generator, rewards, tokenizer
+        self.accelerator = accelerator
+        self.rank = accelerator.process_index if accelerator is not None else 0
+        self.world = accelerator.num_processes if accelerator is not None else 1
+        self.n = config.resolved_num_generations_eval
+        self.rows = [dataset[i] for i in range(len(dataset))]
+        self.columns = [c for c in dataset.column_names if c != "prompt"]
+        self.prompt_ids = encode_prompts(
+            tokenizer, [row["prompt"] for row in self.rows],
+            max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+        )
+
+    def run(self, step: int = 0, model: str = "", progress: Callable[[int, int], None] | None = None) -> EvalResult:
+        """Evaluate now (``step``: the optimizer step, passed to rewards as
+        ``trainer_state.global_step``; ``model``: a label for the result; ``progress(done,
+        total)`` is called after each generate call).
+
+        Raises:
+            RewardFailed: a reward failed (with ``on_error: raise``) on some process; its
+                ``error`` is the reward's error on that process.
+        """
+        import torch
+
+        from grpo_plugins.rewards import RewardError
+
+        t0 = time.perf_counter()
+        P = len(self.rows)
+        per_process = math.ceil(P / self.world)
+        share = list(range(self.rank, P, self.world))
+        # Every process makes the same generate calls (FSDP gathers weights collectively): pad
+        # the shorter shares with a repeated prompt whose results are dropped.
+        padded = share + [share[-1] if share else 0] * (per_process - len(share))
+        error: Exception | None = None
+        sampled = greedy = None
+        calls = [math.ceil(len(padded) / self._prompts_per_call(n)) for n in (self.n, 1)]
+        self._progress = _Counter(sum(calls), progress)
+        with isolated_rng(self.config.seed + self.rank), generator_state_kept(self.generator), torch.no_grad():
+            try:
+                sampled = self._generate(padded, self.n, step)
+                with sampling_override(self.generator, greedy_settings(self.config)):
+                    greedy = self._generate(padded, 1, step)
+            except RewardError as exc:  # raised below on every process
+                error = exc
+        self._raise_if_failed(error)
+        assert sampled is not None and greedy is not None
+        local = [
+            (i, *(t[j].tolist() for t in sampled), *(t[j].tolist() for t in greedy))
+            for j, i in enumerate(padded[: len(share)])
+        ]
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            local = gather_object(local)
+        local.sort(key=lambda item: item[0])
+        tensors = [torch.tensor([item[f] for item in local]) for f in range(1, 7)]
+        K = len(self.rewards.names)
+        result = summarise(
+            tensors[0].reshape(P, self.n, K), tensors[1].reshape(P, self.n), tensors[2].reshape(P, self.n).bool(),
+            tensors[3].reshape(P, K), tensors[4].reshape(P), self.rewards.names, self.rewards.weights,
+        )
+        result.seconds = time.perf_counter() - t0
+        result.model = model
+        return result
+
+    def _generate(self, indices: list[int], n: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
+        """n completions of each prompt in ``indices``, scored: ((I, n, K) rewards, (I, n)
+        lengths, (I, n) truncated). Calls hold whole prompts, about per_device_eval_batch_size
+        completions each."""
+        import torch
+
+        from grpo_plugins.rollout import score_completions
+
+        per_call = self._prompts_per_call(n)
+        rewards, lengths, truncated = [], [], []
+        for start in range(0, len(indices), per_call):
+            chunk = [i for i in indices[start : start + per_call] for _ in range(n)]
+            out = self.generator.generate([list(self.prompt_ids[i]) for i in chunk])
+            length = out.completion_mask.long().sum(1).cpu()  # (B,)
+            prompts = [self.rows[i]["prompt"] for i in chunk]
+            columns = {c: [self.rows[i][c] for i in chunk] for c in self.columns}
+            scores, _ = score_completions(
+                self.tokenizer, self.rewards, prompts, out.completion_ids.cpu(), length, columns, step
+            )
+            rewards.append(scores.float().cpu())
+            lengths.append(length)
+            truncated.append(out.is_truncated.bool().cpu())
+            self._progress.advance()
+        K = len(self.rewards.names)
+        I = len(indices)
+        return (
+            torch.cat(rewards).reshape(I, n, K) if rewards else torch.zeros(0, n, K),
+            torch.cat(lengths).reshape(I, n) if lengths else torch.zeros(0, n),
+            torch.cat(truncated).reshape(I, n) if truncated else torch.zeros(0, n, dtype=torch.bool),
+        )
+
+    def _prompts_per_call(self, n: int) -> int:
+        return max(1, self.config.per_device_eval_batch_size // n)
+
+    def _raise_if_failed(self, error: Exception | None) -> None:
+        """Raise RewardFailed on every process when a reward failed on any."""
+        import torch
+
+        from grpo_plugins.rollout import RewardFailed
+
+        if self.world > 1:
+            acc = self.accelerator
+            failed = acc.gather(torch.tensor([0.0 if error is None else 1.0], device=acc.device))
+            if bool(failed.any()) and error is None:
+                error = TrainingError(f"a reward failed on process {int(failed.nonzero()[0])} while evaluating; see its message")
+        if error is not None:
+            raise RewardFailed(error)
+
+
+class _Counter:
+    def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
+        self.done, self.total, self.callback = 0, total, callback
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+
+# -- grpo-plugins eval -------------------------------------------------------------------------------
+
+
+def resolve_eval_model(checkpoint: str | Path | None, base: bool, output_dir: str | Path) -> tuple[Path | None, str]:
+    """The model directory to evaluate and a label for it.
+
+    ``base``: None (the config's model, untrained). ``checkpoint``: a checkpoint directory, a
+    run's output directory (its newest checkpoint), or a model directory (``config.json`` or a
+    LoRA ``adapter_config.json``). Neither: the newest checkpoint of ``output_dir``.
+
+    Raises:
+        CheckpointError: with what to do instead.
+    """
+    if base:
+        return None, "base"
+    if checkpoint is None:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise CheckpointError(
+                f"no checkpoint in {Path(output_dir) / 'checkpoints'} (the config's output_dir); train first, "
+                "name one with --checkpoint PATH, or evaluate the untrained model with --base"
+            )
+        return found / "model", str(found)
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"--checkpoint '{path}' does not exist")
+    if (path / STATE_FILE).is_file():
+        return path / "model", str(path)
+    found = latest_checkpoint(path)
+    if found is not None:
+        return found / "model", str(found)
+    if (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
+        return path, str(path)
+    raise CheckpointError(
+        f"--checkpoint '{path}' is not a checkpoint (no {STATE_FILE}), a run directory with checkpoints, "
+        "or a model directory (config.json or adapter_config.json)"
+    )
+
+
+def load_eval_model(config: GRPOConfig, model_dir: Path | None, device: Any) -> tuple[Any, Any]:
+    """The model and tokenizer to evaluate: the config's model (``model_dir`` None), with a LoRA
+    adapter directory applied, or a full model directory."""
+    from grpo_plugins import models
+
+    dtype = config.dtype
+    if model_dir is not None and not (model_dir / "adapter_config.json").is_file():
+        model, tokenizer = models.load_model(str(model_dir), dtype=dtype, device=device, seed=config.seed)
+        return model.eval(), tokenizer
+    model, tokenizer = models.load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+    if model_dir is not None:
+        from peft import PeftModel
+
+        try:
+            with warnings.catch_warnings():  # peft still calls the renamed is_gradient_checkpointing
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                model = PeftModel.from_pretrained(model, str(model_dir))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"the LoRA adapter in {model_dir} does not fit the config's model ({config.model}): {exc}"
+            ) from None
+        model.to(device)
+    return model.eval(), tokenizer
+
+
+def evaluate(
+    config: GRPOConfig,
+    *,
+    checkpoint: str | Path | None = None,
+    base: bool = False,
+    registry: Registry | None = None,
+    eval_dataset: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> EvalResult:
+    """Evaluate a checkpoint (or the untrained model with ``base``) on the config's eval prompts
+    (the ``grpo-plugins eval`` command); see :func:`resolve_eval_model` for ``checkpoint``."""
+    import torch
+
+    from grpo_plugins.data import load_eval_prompts
+    from grpo_plugins.generators import build_generator
+    from grpo_plugins.registry import registry_for
+    from grpo_plugins.rewards import reward_runner
+    from grpo_plugins.rollout import RewardFailed
+
+    registry = registry if registry is not None else registry_for(config.disable_plugins)
+    model_dir, label = resolve_eval_model(checkpoint, base, config.output_dir)
+    step = _checkpoint_step(model_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_eval_model(config, model_dir, device)
+    dataset = load_eval_prompts(config, registry, tokenizer, eval_dataset)
+    generator = build_generator(config, registry, model, tokenizer, device)
+    rewards = reward_runner(config, registry)
+    try:
+        return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label, progress=progress)
+    except RewardFailed as failed:
+        raise failed.error from None
+    finally:
+        rewards.close()
+        close = getattr(generator, "close", None)
+        if close is not None:
+            close()
+
+
+def _checkpoint_step(model_dir: Path | None) -> int:
+    """The optimizer step of the checkpoint holding ``model_dir`` (0 for anything else)."""
+    if model_dir is None:
+        return 0
+    try:
+        state = json.loads((model_dir.parent / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(state.get("global_step", 0)) if isinstance(state, Mapping) else 0

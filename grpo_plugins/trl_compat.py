@@ -323,7 +323,34 @@ def _logging_dir(value: Any, data: Mapping[str, Any]) -> Translation:
 # -- the table ---------------------------------------------------------------------------------
 
 _G, _T, _TR = "GRPOConfig", "TrainingArguments", "GRPOTrainer"
-_TOOLS = "not supported yet in this version (tool environments are being added): train without tool calls"
+def _tools(value: Any, data: Mapping[str, Any]) -> Translation:
+    """TRL's ``tools`` (the trainer's argument): here tools are named (registered ``tool``
+    components), and the ``tool_calling`` environment runs them."""
+    if not value:
+        return {}, None
+    env = _component_name(data.get("environment"))
+    if env not in (None, "tool_calling"):
+        raise FieldError("tools", f"TRL's tools need environment 'tool_calling', but the config names environment {env!r}")
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise FieldError(
+            "tools",
+            "in a config, tools are names of registered tools (calculator, python, or a plugin's); "
+            "from Python, pass functions: Engine(environment=ToolCalling(functions=[...]))",
+        )
+    return (
+        {"environment.name": "tool_calling", "environment.params.tools": list(value)},
+        f"environment: {{name: tool_calling, params: {{tools: {list(value)}}}}}",
+    )
+
+
+def _max_tool_calling_iterations(value: Any, data: Mapping[str, Any]) -> Translation:
+    if value is None:
+        return {}, None
+    if _component_name(data.get("environment")) != "tool_calling" and not data.get("tools"):
+        return {}, "has no effect without tools (as in TRL)"
+    return {"environment.params.max_tool_calling_iterations": value}, f"environment.params.max_tool_calling_iterations: {value!r}"
+
+
 _HUB = "there is no model hub here: checkpoints and completions stay in output_dir"
 
 
@@ -400,8 +427,8 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("entropy_coef_max", _G, "same", "`entropy_coef_max`", 1.0),
         _key("entropy_coef_delta", _G, "same", "`entropy_coef_delta`", 0.005),
         _key("entropy_target", _G, "same", "`entropy_target`", 0.2),
-        _key("max_tool_calling_iterations", _G, "not_yet", _TOOLS, None, noop=_is(None)),
-        _key("tools", _TR, "not_yet", _TOOLS, None, noop=_falsy),
+        _key("max_tool_calling_iterations", _G, "translated", "`environment: {name: tool_calling, params: {max_tool_calling_iterations}}`", None, translate=_max_tool_calling_iterations),
+        _key("tools", _TR, "translated", "`environment: {name: tool_calling, params: {tools: [names]}}` (registered tools: calculator, python, plugins'; functions from Python: `Engine(environment=ToolCalling(functions=[...]))`)", None, translate=_tools),
         _key("vllm_importance_sampling_correction", _G, "same", "`vllm_importance_sampling_correction` (TRL corrects only with vLLM; here `true` corrects with any generator, `auto` (default) is TRL's behaviour)", True),
         _key("vllm_importance_sampling_mode", _G, "translated", "`rollout_correction` (same four names)", "sequence_mask", translate=_is_mode),
         _key("vllm_importance_sampling_clip_max", _G, "translated", "`vllm_importance_sampling_cap`", 3.0, translate=_is_clip_max),

@@ -144,10 +144,10 @@ def test_trl_evaluation_keys_keep_their_meaning():
 @pytest.mark.parametrize(("data", "key", "says"), [
     ({"log_completions_hub_repo": "me/completions"}, "log_completions_hub_repo", "completions.jsonl"),
     ({"push_to_hub": True}, "push_to_hub", "no model hub"),
-    ({"tools": ["my_pkg.tools:search"]}, "tools", "not supported yet in this version"),
+    ({"tools": [{"function": "search"}]}, "tools", "names of registered tools"),
+    ({"tools": ["calculator"], "environment": "single_turn"}, "tools", "need environment 'tool_calling'"),
     ({"ds3_gather_for_generation": False}, "ds3_gather_for_generation", "DeepSpeed ZeRO-3"),
     ({"eval_strategy": "epoch"}, "eval_strategy", "use eval_strategy: steps with eval_steps"),
-    ({"max_tool_calling_iterations": 3}, "max_tool_calling_iterations", "not supported yet in this version"),
     ({"report_to": "wandb"}, "report_to", "'wandb' is not available here"),
     ({"loss_type": {"name": "sapo", "params": {"temperature_pos": 2.0}}, "sapo_temperature_pos": 1.5},
      "sapo_temperature_pos", "give only one of them"),
@@ -160,6 +160,14 @@ def test_a_trl_key_that_cannot_apply_names_what_to_use_instead(data, key, says):
         load_config(data)
     messages = [m for p, m in info.value.errors if p == key]
     assert messages and says in messages[0], info.value.errors
+
+
+def test_trl_tools_become_the_tool_calling_environment():
+    config = load_config({"tools": ["calculator"], "max_tool_calling_iterations": 3})
+    env = config.environment
+    assert (env.name, env.params) == ("tool_calling", {"max_tool_calling_iterations": 3, "tools": ["calculator"]})
+    plain = load_config({"max_tool_calling_iterations": 3})  # no tools: no effect, as in TRL
+    assert plain.environment == load_config({}).environment
 
 
 def test_a_misspelt_trl_key_gets_a_suggestion():

@@ -8,7 +8,6 @@ Skipped only where bubblewrap is unusable; with ``CI`` set they fail instead.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sandbox_procs import sandbox_pids as _sandbox_pids
 
 import builtin_environments.tools as tools
 from grpo_plugins.kinds import EnvironmentSettings
@@ -30,17 +30,6 @@ pytestmark = pytest.mark.usefixtures("bwrap")
 @pytest.fixture(autouse=True)
 def short_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tools, "PYTHON_TIMEOUT_S", 1.5)
-
-
-def _sandbox_pids() -> set[int]:
-    """Host pids of sandboxed programs still running (their command line carries the boot code)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if b"Trusted start-up code inside the code sandbox" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.add(int(entry))
-    return pids
 
 
 def test_the_python_tool_runs_a_program_and_returns_its_output() -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from sandbox_procs import sandbox_pids as _sandbox_pids
 
 from builtin_rewards.code_execution import CodeExecution
 from builtin_rewards.sandbox import SandboxLimits, _layout, run_function_test, run_python
@@ -63,17 +64,6 @@ def helper() -> Iterator[subprocess.Popen[bytes]]:
     yield proc
     proc.kill()
     proc.wait()
-
-
-def _sandbox_pids() -> set[int]:
-    """Host pids of every process of a sandbox run: its command line carries the boot code."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if b"Trusted start-up code inside the code sandbox" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.add(int(entry))
-    return pids
 
 
 def _describe(pid: int) -> str:

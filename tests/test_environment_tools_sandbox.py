@@ -8,7 +8,6 @@ Skipped only where bubblewrap is unusable; with ``CI`` set they fail instead.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import uuid

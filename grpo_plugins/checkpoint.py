@@ -4,6 +4,9 @@ Layout of ``<output_dir>/checkpoints/checkpoint-<step>/``::
 
     model/               save_pretrained of the model, or of the LoRA adapter only (+ tokenizer)
     optimizer.pt         optimizer state
+    sharded/             FSDP runs instead of optimizer.pt (and ref_model.pt): model, optimizer
+                         (and reference) state as torch.distributed.checkpoint shards, loadable
+                         on any number of processes
     scheduler.pt         LR-scheduler state
     rng_state_<rank>.pt  python, numpy, torch (and CUDA) RNG states of each process
     rollout_<rank>.pt    a process's generation batch, only when saved in the middle of a cycle
@@ -161,6 +164,8 @@ def save_checkpoint(
     """
     import torch
 
+    from grpo_plugins.sharding import SHARDED_DIR, compute_dtype, full_state_dict, is_sharded, save_sharded
+
     root = checkpoints_root(output_dir)
     final = root / f"checkpoint-{step}"
     tmp = root / f".tmp-checkpoint-{step}"
@@ -174,18 +179,24 @@ def save_checkpoint(
     torch.save(rng_state, tmp / f"rng_state_{rank}.pt")
     if rollout is not None:
         torch.save(rollout, tmp / f"rollout_{rank}.pt")
+    sharded = is_sharded(model)
+    full_weights = None
+    if sharded:  # collective: every process writes its shards, the main one gets full weights
+        save_sharded(tmp / SHARDED_DIR, model, optimizer, ref_model)
+        full_weights = full_state_dict(model, compute_dtype(model))
     accelerator.wait_for_everyone()
     if main:
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True, state_dict=full_weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "model"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if not sharded:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
         if master_weights is not None:
             torch.save(master_weights.state_dict(), tmp / "master_weights.pt")
-        if ref_model is not None:  # sync_ref_model: the reference moves during training
+        if ref_model is not None and not sharded:  # sync_ref_model: the reference moves during training
             torch.save(ref_model.state_dict(), tmp / "ref_model.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -254,10 +265,23 @@ def load_checkpoint(
     """
     import torch
 
+    from grpo_plugins.sharding import SHARDED_DIR, is_sharded, load_sharded
+
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
-    load_weights(path / "model", model)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    if (path / SHARDED_DIR).is_dir():
+        if master_weights is not None:
+            raise CheckpointError(
+                f"{path} was saved by an fsdp run (float32 shards); resume it with fsdp, or with "
+                "master_weights: false"
+            )
+        load_sharded(path / SHARDED_DIR, model, optimizer, ref_model)
+        ref_model = None
+    elif is_sharded(model):
+        raise CheckpointError(f"{path} was saved without fsdp; resume it without fsdp (DDP or one process)")
+    else:
+        load_weights(path / "model", model)
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", map_location="cpu", weights_only=False))

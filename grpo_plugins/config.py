@@ -81,6 +81,20 @@ class LoraSettings(_Strict):
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
 
 
+class FSDPSettings(_Strict):
+    """FSDP (torch's FSDP2, ``fully_shard``): full fine-tuning with the weights, gradients and
+    optimizer state sharded over the processes (docs/engine.md, "Several GPUs")."""
+
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each layer's gathered weights after its forward and gather them again for backward (ZeRO-3); false keeps them until backward (more memory, fewer all-gathers).",
+    )
+    layer_classes: list[str] | None = Field(
+        None,
+        description="Class names of the modules sharded one by one (the decoder layers); None: the model's _no_split_modules (e.g. LlamaDecoderLayer).",
+    )
+
+
 class ModelSpec(_Strict):
     """Where the model comes from: a local directory or hub id, a GGUF file, ``builtin:NAME``, or
     a random initialisation from a transformers config plus a tokenizer path."""
@@ -217,6 +231,10 @@ class GRPOConfig(_Strict):
     generation_batch_size: int | None = Field(None, ge=1, description="Completions per generation over all processes (instead of steps_per_generation; both may be given when they agree, as TRL's GRPOConfig fills in both).")
     num_generations: int = Field(8, description="Completions per prompt (G); at least 2.")
     num_processes: int | None = Field(None, ge=1, description="Override the process count (plan/validate); default: from accelerate.")
+    fsdp: FSDPSettings | None = Field(
+        None,
+        description="Shard weights, gradients and optimizer state over the processes (FSDP2) for full fine-tuning; true or a mapping of FSDPSettings. None: every process holds the whole model (DDP on several processes).",
+    )
     shuffle_dataset: bool = Field(True, description="Shuffle the prompts (a fresh seeded order each epoch); false: dataset order.")
     group_filter: str | ComponentRef | None = Field(
         None,
@@ -345,6 +363,41 @@ class GRPOConfig(_Strict):
         if value is False:
             return "none"
         return value
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_shorthand(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        if isinstance(value, (str, list)):
+            raise ValueError(
+                "takes true or a mapping {reshard_after_forward, layer_classes}; TRL's "
+                "fsdp: 'full_shard auto_wrap' is fsdp: true here"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _fsdp(self) -> GRPOConfig:
+        if self.fsdp is None:
+            return self
+        refusals = [
+            ("lora", self.lora is not None, "FSDP shards full fine-tuning; LoRA's adapters are small, so train them with DDP (remove fsdp) or set lora: null"),
+            ("dtype", self.dtype == "float16", "FSDP does not support float16's gradient scaler here; use bfloat16 (or float32)"),
+            ("cast_lm_head_to_fp32", self.cast_lm_head_to_fp32, "the sharded root (embeddings, LM head) is gathered in one dtype; remove cast_lm_head_to_fp32"),
+            ("compile_layers", self.compile_layers is True, "compile_layers is not supported with fsdp yet; remove it (the default is off under fsdp)"),
+        ]
+        generator = component_ref(self.resolved_generator)
+        refusals.append(
+            ("generator" if self.generator is not None else "fast_inference",
+             generator is not None and generator.name.rsplit(":", 1)[-1] == "vllm",
+             "the vllm generator does not take weights from an FSDP-sharded model yet; use the static generator (fast_inference: false)")
+        )
+        for field, bad, message in refusals:
+            if bad:
+                raise FieldError(field, f"with fsdp: {message}")
+        return self
 
     @model_validator(mode="after")
     def _objective(self) -> GRPOConfig:

@@ -37,6 +37,7 @@ from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
     capture_rng, latest_checkpoint, load_checkpoint, resolve_resume, restore_rng, save_checkpoint, write_atomic,
 )
+from grpo_plugins import sharding
 from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
 from grpo_plugins.config import GRPOConfig, load_config
 from grpo_plugins.episodes import build_environment
@@ -170,6 +171,7 @@ class Engine:
         self.next_prompt = 0  # the prompt stream's position: the first prompt of the next rollout
         self.writer: MetricsWriter | None = None
         self.log: StepLog | None = None
+        self._own_process_group = False  # fsdp on one process: a group of one, ended at teardown
 
     # -- public --------------------------------------------------------------------------------
 
@@ -198,6 +200,8 @@ class Engine:
         cfg = self.config
         self.accelerator, self.plan = make_accelerator(cfg, self.registry)
         acc = self.accelerator
+        if cfg.fsdp is not None:
+            self._own_process_group = sharding.ensure_process_group(acc.device)
         set_seed(cfg.seed)
         self._load_model()
         self.generator = build_generator(cfg, self.registry, self.unwrapped, self.tokenizer, acc.device)
@@ -247,14 +251,41 @@ class Engine:
             models.cast_lm_head_to_fp32(model)
         if cfg.beta != 0.0 and not self.is_peft:
             # Full fine-tuning: the reference is a frozen copy of the starting weights.
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(acc.device)
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if cfg.fsdp is None:
+                self.ref_model.to(acc.device)
         model.train()
+        if cfg.fsdp is not None:
+            self._shard(model)
+            return
         self.trainable = trainable_parameters(model, cfg.dtype)
         self.master = master_weights_for(self.trainable, cfg.master_weights)
         stepped = self.master.params if self.master is not None else self.trainable
         self.model, self.optimizer = acc.prepare(model, make_optimizer(stepped, cfg, acc.device))
         self.unwrapped = acc.unwrap_model(self.model)
         self.compiled_layers = compiled_layers_for(self.unwrapped, cfg.compile_layers, acc.device, is_peft=self.is_peft)
+
+    def _shard(self, model: Any) -> None:
+        """FSDP: shard the policy (and the reference) over the processes; the optimizer steps the
+        shards. 16-bit weights are sharded in float32 (the master weights, unless
+        ``master_weights: false``) and gathered in 16 bits for each forward."""
+        cfg, acc = self.config, self.accelerator
+        assert cfg.fsdp is not None
+        dtype = next(model.parameters()).dtype
+        compute = dtype if dtype in (torch.bfloat16, torch.float16) and cfg.master_weights is not False else None
+        layers = sharding.shard_model(model, cfg.fsdp, acc.device, acc.num_processes, compute_dtype=compute)
+        if self.ref_model is not None:
+            sharding.shard_model(self.ref_model, cfg.fsdp, acc.device, acc.num_processes)
+        if acc.is_main_process:
+            logger.info(
+                "fsdp: %d layers and the root sharded over %d process(es)%s", layers, acc.num_processes,
+                f", float32 shards computing in {dtype}" if compute is not None else "",
+            )
+        self.trainable = trainable_parameters(model, cfg.dtype)
+        self.master = None
+        self.model = self.unwrapped = model
+        self.optimizer = acc.prepare(make_optimizer(self.trainable, cfg, acc.device, fused=False))
+        self.compiled_layers = None
 
     def _load_data(self) -> None:
         from grpo_plugins.data import prepare_dataset
@@ -283,6 +314,9 @@ class Engine:
             close_generator()
         if self.writer is not None:
             self.writer.close()
+        if self._own_process_group:
+            sharding.end_process_group()
+            self._own_process_group = False
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -357,7 +391,7 @@ class Engine:
         """Evaluate the policy now and log ``eval/...`` metrics at the current step (training's
         random streams and the generator's state are left as they were)."""
         assert self.evaluator is not None and self.writer is not None and self.guard is not None
-        with self.guard.phase("evaluation", self.global_step):
+        with self.guard.phase("evaluation", self.global_step), self._full_weights():
             result = self.evaluator.run(step=self.global_step, model=f"step {self.global_step}")
         metrics = result.metrics()
         self.writer.log_eval(self.global_step, metrics)
@@ -370,7 +404,7 @@ class Engine:
         rng_at_cycle_start = capture_rng()
         t0 = time.perf_counter()
         try:
-            with self.guard.phase("generation", self.global_step + 1):
+            with self.guard.phase("generation", self.global_step + 1), self._full_weights():
                 rollout = self.rollouts.make(cycle, self.global_step + 1, self.writer, self.next_prompt)
         except (RewardFailed, NonFiniteError) as failed:
             if self.global_step > 0 and not saved:
@@ -380,6 +414,11 @@ class Engine:
         self.num_tokens += rollout.num_tokens
         self.next_prompt = rollout.next_prompt
         return rollout
+
+    def _full_weights(self) -> Any:
+        """FSDP: the policy's and the reference's full weights for the block (generation and the
+        log-prob passes decode with them on each process alone); otherwise nothing."""
+        return sharding.gathered(self.unwrapped, self.ref_model)
 
     def _optimizer_step(self, rollout: Rollout, window: AccumulationWindow, window_items: float) -> dict[str, float]:
         assert self.update is not None

@@ -31,9 +31,9 @@ _WRAPPER_TYPES: tuple[type, ...] = (
 
 def _fsdp_types() -> tuple[type, ...]:
     try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-        return (FullyShardedDataParallel,)
+        return (FullyShardedDataParallel, FSDPModule)
     except ImportError:  # pragma: no cover - torch built without distributed
         return ()
 
@@ -228,13 +228,16 @@ def completion_logps(
     if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
         return _completion_logps_unwrapped(model, input_ids, attention_mask, *args)
 
-    inner = model.module
+    inner = getattr(model, "module", model)  # DDP/FSDP1 wrap the model; FSDP2 hooks it in place
 
     def forward(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        return _completion_logps_unwrapped(inner, input_ids, attention_mask, *args)
+        logps, entropy = _completion_logps_unwrapped(inner, input_ids, attention_mask, *args)
+        # Not views: FSDP2 hooks the backward of a module's outputs, which a view would lose.
+        return logps.clone(), entropy.clone() if entropy is not None else None
 
-    # The wrapper's forward (gradient-sync bookkeeping, unsharding) calls inner(...); swapping
-    # the inner forward for this computation keeps that bookkeeping without forming logits.
+    # The wrapper's forward (gradient-sync bookkeeping, unsharding) calls inner(...), and FSDP2
+    # runs its hooks around the model's call; swapping the inner forward for this computation
+    # keeps that bookkeeping without forming logits.
     had_own = "forward" in inner.__dict__
     saved = inner.__dict__.get("forward")
     inner.forward = forward

@@ -213,6 +213,8 @@ class PolicyUpdate:
             self.master.grads_to_masters()
         stepped = self.master.params if self.master is not None else self.trainable
         grad_norm = acc.clip_grad_norm_(stepped, max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
         grad_norm_value = float(grad_norm) if grad_norm is not None else 0.0
         lr = self.scheduler.get_last_lr()[0]
         names = [name for name, p in self.policy.unwrapped.named_parameters() if p.requires_grad]
@@ -287,9 +289,12 @@ def master_weights_for(trainable: list[torch.nn.Parameter], wanted: bool | None)
     return MasterWeights(trainable)
 
 
-def make_optimizer(trainable: list[torch.Tensor], config: GRPOConfig, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(
+    trainable: list[torch.Tensor], config: GRPOConfig, device: torch.device, *, fused: bool | None = None
+) -> torch.optim.Optimizer:
     """AdamW over ``trainable`` (or their master copies); weight decay only on matrices (not
-    biases or norms)."""
+    biases or norms). ``fused``: None picks the fused kernel on CUDA; False for FSDP's sharded
+    (DTensor) parameters, which take the multi-tensor path."""
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
@@ -297,7 +302,10 @@ def make_optimizer(trainable: list[torch.Tensor], config: GRPOConfig, device: to
         groups.append({"params": no_decay, "weight_decay": 0.0})
     # On CUDA the fused kernel: one launch per step and no parameter-sized temporaries (the
     # default multi-tensor path allocates some, which set the peak memory of a small model).
-    fused = True if device.type == "cuda" else None
+    if fused is None:
+        fused = True if device.type == "cuda" else None
+    else:
+        fused = fused or None
     return torch.optim.AdamW(
         groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, fused=fused
     )

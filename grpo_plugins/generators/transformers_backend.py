@@ -12,8 +12,6 @@ loads its plugins.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,21 +32,6 @@ class TransformersGeneratorParams(BaseModel):
     batch_size: int | None = Field(
         None, ge=1, description="Prompts per generate() call; None: the whole generation batch at once."
     )
-
-
-@contextlib.contextmanager
-def full_parameters(model: Any) -> Iterator[None]:
-    """Gather FSDP-sharded parameters for generation (a no-op for other models)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    if isinstance(model, FSDP):
-        with FSDP.summon_full_params(model, writeback=False):
-            yield
-    else:
-        yield
 
 
 def finish_completions(
@@ -187,6 +170,9 @@ class TransformersGenerator(Generator):
             attention_mask=mask,
             generation_config=self.generation_config(model),
             logits_processor=processors,
+            # FSDP: the engine gathers the full weights around generation (sharding.gathered),
+            # so each process decodes alone, without transformers' per-token synchronisation.
+            synced_gpus=False,
         )
         sequences = out.sequences if hasattr(out, "sequences") else out  # (B, P + T')
         return sequences[:, ids.shape[1] :], recorder.result(sequences)
@@ -194,8 +180,7 @@ class TransformersGenerator(Generator):
     def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
         import torch
 
-        wrapped = self.model
-        model = unwrap_model(wrapped)
+        model = unwrap_model(self.model)
         was_training = model.training
         call, self.calls = self.calls, self.calls + 1
         device = next(model.parameters()).device
@@ -203,7 +188,7 @@ class TransformersGenerator(Generator):
         pieces: list[tuple[Tensor, Tensor]] = []
         model.eval()  # also turns gradient checkpointing off, so the KV cache is used
         try:
-            with seeded_call(self.sampling.seed, call, device), torch.no_grad(), full_parameters(wrapped):
+            with seeded_call(self.sampling.seed, call, device), torch.no_grad():
                 for start in range(0, len(prompt_ids), batch):
                     pieces.append(self._generate_batch(model, prompt_ids[start : start + batch]))
         finally:

@@ -13,11 +13,19 @@ Seconds per step are wall-clock times between the ends of consecutive optimizer 
 synchronised), median after the warm-up steps; generate / score / train are each framework's own
 timers (TRL's profiling contexts; the Engine's timing metrics). Writes ``$OUT/grpo_bench.json``
 and prints a table last.
+
+Several processes (the Engine only; DDP, or FSDP with ``--ours-variants '{" fsdp": {"fsdp":
+true}}'``): launch with ``torchrun --nproc_per_node N bench/bench_grpo.py --frameworks ours ...``.
+Each process generates and trains per_device_train_batch_size (64 unless a variant sets it)
+completions per step; the main process times the steps and writes the results, with
+``processes`` and ``completions_per_s`` (all processes' completions per second).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 import tempfile
 import time
@@ -60,6 +68,16 @@ def dataset() -> Any:
     return datasets.Dataset.from_dict({"prompt": prompt_texts(256)})
 
 
+_RUN_NUMBERS = itertools.count()  # every process builds its runs in the same order
+
+
+def _run_dir() -> str:
+    """A fresh output directory, the same for every process of a torchrun launch (their parent)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return tempfile.mkdtemp(prefix="bench_ours_")
+    return str(Path(tempfile.gettempdir()) / f"bench_ours_{os.getppid()}_{next(_RUN_NUMBERS)}")
+
+
 def ours_config(
     T: int, steps: int, warmup: int, generator: dict[str, Any], train_chunk_rows: int | None = None
 ) -> dict[str, Any]:
@@ -82,7 +100,7 @@ def ours_config(
         "save_steps": 100000,
         "report_to": [],
         "generator": generator,
-        "output_dir": tempfile.mkdtemp(prefix="bench_ours_"),
+        "output_dir": _run_dir(),
         "seed": 0,
         "train_chunk_rows": train_chunk_rows,
         "lora": {"r": LORA_R, "lora_alpha": 2 * LORA_R, "target_modules": "all-linear"} if LORA_R else None,
@@ -120,9 +138,12 @@ def run_ours(
     history = result.history
     step_times = [b - a for a, b in zip([start, *ends[:-1]], ends)]
     measured = slice(warmup, None)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
     out = {
         "step_s": median(step_times[measured]),
         "step_times": step_times,
+        "processes": processes,
+        "completions_per_s": processes * config["per_device_train_batch_size"] / median(step_times[measured]),
         "generate_s": median([h.get("timing/generate", float("nan")) for h in history][measured]),
         "score_s": median([h.get("timing/reward", float("nan")) for h in history][measured]),
         "train_s": median([h.get("timing/train", float("nan")) for h in history][measured]),
@@ -140,7 +161,8 @@ def run_ours(
     del engine, model, result
     import shutil
 
-    shutil.rmtree(config["output_dir"], ignore_errors=True)  # a full fine-tuning checkpoint is GBs
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(config["output_dir"], ignore_errors=True)  # a full fine-tuning checkpoint is GBs
     return out
 
 
@@ -287,7 +309,8 @@ def table(tokens: list[int]) -> str:
     lines = [
         "",
         f"GRPO step, 64 completions (8 prompts x 8), bf16, batch 64, GA 1, shape {RESULTS.get('shape')}, "
-        f"{'LoRA r=' + str(LORA_R) if LORA_R else 'full fine-tuning'} -- device: {RESULTS.get('device')}",
+        f"{'LoRA r=' + str(LORA_R) if LORA_R else 'full fine-tuning'} -- device: {RESULTS.get('device')}"
+        + (f" -- {RESULTS['processes']} processes (tok/s: all of them)" if RESULTS.get("processes", 1) > 1 else ""),
         "",
         f"{'T':>5} {'framework':<22} {'step s':>7} {'generate':>9} {'score':>7} {'train':>7} {'tok/s':>8} {'peak GiB':>9} {'len':>6}",
     ]
@@ -297,7 +320,7 @@ def table(tokens: list[int]) -> str:
             if "error" in r:
                 lines.append(f"{T:>5} {name:<22} ERROR {r['error'][:70]}")
                 continue
-            tps = 64 * r["mean_length"] / r["step_s"]
+            tps = r.get("completions_per_s", 64 / r["step_s"]) * r["mean_length"]  # every process's tokens
             lines.append(
                 f"{T:>5} {name:<22} {r['step_s']:>7.2f} {r['generate_s']:>9.2f} {r['score_s']:>7.3f} "
                 f"{r['train_s']:>7.2f} {tps:>8.0f} {r['peak_gib']:>9.2f} {r['mean_length']:>6.0f}"
@@ -349,6 +372,13 @@ def main() -> None:
     args = parser.parse_args()
     import json
 
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if set(args.frameworks) != {"ours"}:
+            parser.error("several processes (torchrun): only --frameworks ours")
+        if torch.cuda.is_available():  # build_model() puts the model on the current device
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
     global LORA_R
     LORA_R = args.lora
     _common.ACTIVE_SHAPE = args.shape
@@ -356,6 +386,7 @@ def main() -> None:
 
     RESULTS["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     RESULTS["torch"] = torch.__version__
+    RESULTS["processes"] = int(os.environ.get("WORLD_SIZE", "1"))
     RESULTS["args"] = vars(args)
     generator = {"name": args.generator, "params": json.loads(args.generator_params)}
     variants: dict[str, dict[str, Any]] = json.loads(args.ours_variants) if args.ours_variants else {"": {}}
@@ -379,10 +410,12 @@ def main() -> None:
                 RESULTS["errors"].append({"run": f"{name} {T}", "error": repr(exc), "trace": traceback.format_exc()})
                 log(traceback.format_exc())
             RESULTS["runs"].setdefault(str(T), {})[name] = r
-            log(f"{name} T={T}: {r}")
-            write_json(out_dir() / "grpo_bench.json", RESULTS)
+            if main_process:
+                log(f"{name} T={T}: {r}")
+                write_json(out_dir() / "grpo_bench.json", RESULTS)
             reset_peak()
-    print(table(args.tokens), flush=True)
+    if main_process:
+        print(table(args.tokens), flush=True)
 
 
 if __name__ == "__main__":

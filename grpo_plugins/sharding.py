@@ -203,6 +203,12 @@ def full_state_dict(model: Any, dtype: torch.dtype | None = None) -> dict[str, t
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and embeddings is not None and head.weight is embeddings.weight:
+        # Tied: save_pretrained of the model itself leaves the head out; so does this.
+        for name, module in model.named_modules():
+            if module is head:
+                weights.pop(f"{name}.weight", None)
     if dtype is not None:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     return weights

@@ -12,9 +12,16 @@ only the processes differ. Reports per-step loss / grad_norm / kl of both and th
 
 ``kill-resume``: an uninterrupted --processes run, then the same run SIGKILLed at ``--kill``
 (``micro:N``: the N-th training forward of each process) and resumed with --resume from the
-latest checkpoint (a checkpoint after every step). Completions come from the ``static``
-generator (sampling, from the gathered weights under FSDP). Reports the largest |weight
-difference| of the final checkpoints and whether the metrics match (``same_metrics``).
+latest checkpoint (a checkpoint every ``--save-steps``). Completions come from the ``static``
+generator (sampling, from the gathered weights under FSDP). Reports whether the final weights
+are bit-identical (sha256 per tensor; the uninterrupted run's checkpoints are deleted once
+digested) and whether the metrics match (``same_metrics``).
+
+Disk: a full fine-tuning checkpoint under FSDP holds float32 shards, AdamW state and bf16
+full weights, 14 bytes per parameter (about 106 GB for the 7B shape); the killed run keeps its
+last checkpoint while writing the final one. Use ``--save-steps`` to save fewer,
+``--set '{"master_weights": false}'`` for bf16 shards (8 bytes per parameter), and ``OUT`` on a
+disk with room.
 
 Model, tokenizer and prompts are bench_grpo's (random init of ``--shape``, the SmolLM2
 tokenizer in .benchdata/tokenizer, BENCH_TINY=1 for a dry run on a CPU with gloo). Writes
@@ -50,7 +57,7 @@ def _config(args: argparse.Namespace, output_dir: Path, per_device: int, generat
         "fsdp": True if args.fsdp else None,
         "generator": generator,
         "max_steps": args.steps,
-        "save_steps": 1,
+        "save_steps": args.save_steps,
         "save_total_limit": None,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": 2,
@@ -68,6 +75,7 @@ def _config(args: argparse.Namespace, output_dir: Path, per_device: int, generat
         "report_to": ["jsonl"],
         "log_completions": True,
         "seed": 5,
+        **json.loads(args.set),
     }
 
 
@@ -100,6 +108,22 @@ def _weights_diff(a: Path, b: Path, step: int) -> float:
     return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
 
 
+def _digest(out: Path, step: int) -> dict[str, str]:
+    """sha256 of each tensor's bytes in checkpoint ``step``'s model/ (equal digests: bit-identical)."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    digest = {}
+    for file in sorted((out / "checkpoints" / f"checkpoint-{step}" / "model").glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                digest[key] = hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return digest
+
+
 def _metrics(out: Path) -> list[dict[str, Any]]:
     from grpo_plugins.metrics import read_metrics
 
@@ -122,6 +146,9 @@ def kill_resume(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     straight, killed = work / "straight", work / "killed"
     rc, seconds = _launch(_config(args, straight, args.batch, "static"), args.processes)
     result: dict[str, Any] = {"straight": {"returncode": rc, "seconds": seconds}}
+    expected = _digest(straight, args.steps) if rc == 0 else {}
+    straight_metrics = _metrics(straight) if rc == 0 else []
+    shutil.rmtree(straight / "checkpoints", ignore_errors=True)  # only the digest is compared: free the disk
     rc, seconds = _launch(_config(args, killed, args.batch, "static"), args.processes, kill=args.kill)
     from grpo_plugins.checkpoint import latest_checkpoint
 
@@ -129,10 +156,12 @@ def kill_resume(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result["killed"] = {"returncode": rc, "seconds": seconds, "latest_checkpoint": latest.name if latest else None}
     rc, seconds = _launch(_config(args, killed, args.batch, "static"), args.processes, resume=True)
     result["resumed"] = {"returncode": rc, "seconds": seconds}
-    if rc == 0 and result["straight"]["returncode"] == 0:
-        result["max_abs_weight_diff"] = _weights_diff(straight, killed, args.steps)
+    if rc == 0 and expected:
+        got = _digest(killed, args.steps)
+        result["bit_identical_weights"] = got == expected
+        result["tensors_differing"] = sorted(k for k in expected if got.get(k) != expected[k])[:20]
         drop = ("timing/step",)
-        a = [{k: v for k, v in r.items() if k not in drop} for r in _metrics(straight)]
+        a = [{k: v for k, v in r.items() if k not in drop} for r in straight_metrics]
         b = [{k: v for k, v in r.items() if k not in drop} for r in _metrics(killed)]
         result["same_metrics"] = a == b
         result["metrics_straight"], result["metrics_killed"] = a, b
@@ -200,6 +229,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="max_completion_length")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--kill", default="micro:5")
+    parser.add_argument("--save-steps", type=int, default=1)
+    parser.add_argument("--set", default="{}", help="JSON config overrides for every run, e.g. '{\"master_weights\": false}'")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
     args = parser.parse_args()
     from bench._common import out_dir, write_json

@@ -525,6 +525,7 @@ def render_config_reference() -> str:
         SEED_ALIASES,
         ComponentRef,
         DatasetSpec,
+        FSDPSettings,
         GRPOConfig,
         LoraSettings,
         ModelSpec,
@@ -570,7 +571,7 @@ def render_config_reference() -> str:
         raise RuntimeError("CONFIG_SECTIONS must start with the first field of GRPOConfig")
     for (heading, start), end in zip(zip(CONFIG_SECTIONS.values(), starts), starts[1:]):
         lines += [f"## {heading}", "", *table(GRPOConfig, fields[start:end]), ""]
-    for model in (ModelSpec, LoraSettings, DatasetSpec, ComponentRef, RewardSpec):
+    for model in (ModelSpec, LoraSettings, FSDPSettings, DatasetSpec, ComponentRef, RewardSpec):
         doc = " ".join((inspect.getdoc(model) or "").split())
         lines += [f"## {model.__name__}", "", doc, "", *table(model, list(model.model_fields)), ""]
     return "\n".join(lines)

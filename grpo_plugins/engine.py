@@ -15,7 +15,7 @@ Each *generation cycle* follows the :class:`~grpo_plugins.batching.BatchPlan` ex
    engine checkpoints at the configured interval (``checkpoint.py``).
 
 The same script runs on a CPU, one GPU, or several processes under ``accelerate launch`` /
-``torchrun`` (DDP; gloo on CPUs).
+``torchrun`` (DDP, or FSDP with ``fsdp:``: ``sharding.py``; gloo on CPUs).
 """
 
 from __future__ import annotations

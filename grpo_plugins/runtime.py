@@ -1,7 +1,7 @@
 """The processes of a run: the ``accelerate.Accelerator`` and the batch plan for them.
 
 One script runs on a CPU, one GPU, or several processes under ``accelerate launch`` /
-``torchrun`` (DDP; gloo on CPUs); this module checks that what was launched is what the
+``torchrun`` (DDP, or FSDP with ``fsdp:``, see ``sharding.py``; gloo on CPUs); this module checks that what was launched is what the
 config's batch arithmetic assumes.
 """
 

@@ -27,7 +27,6 @@ for it), so its numerics, checkpoints and code path are the same as on several p
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,6 @@ import torch
 if TYPE_CHECKING:
     from grpo_plugins.config import FSDPSettings
 
-logger = logging.getLogger(__name__)
 
 #: Subdirectory of a checkpoint holding the ``torch.distributed.checkpoint`` files.
 SHARDED_DIR = "sharded"

@@ -85,7 +85,7 @@ def _launch(config: dict[str, Any], processes: int, *, resume: bool = False, kil
     path.write_text(json.dumps(config))
     launcher = [sys.executable]
     if processes > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", "29561"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     env = {k: v for k, v in os.environ.items() if k != "CHECK_KILL"}
     if kill:
         env["CHECK_KILL"] = kill

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed import PROMPTS, _config, _fixed_generator, char_sum  # noqa: E402
 
 VOLATILE = ("timing/", "tokens_per_second", "peak_memory_gb")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+# --standalone: a free port for each launch (fixed ports collide with other runs on the machine)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def _fsdp_config(tiny_model: dict, output_dir: Path, per_device: int, fsdp: bool = True) -> dict[str, Any]:

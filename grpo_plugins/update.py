@@ -227,6 +227,7 @@ class PolicyUpdate:
         hold = nonfinite or window_items == 0
         if hold:
             self.optimizer.zero_grad(set_to_none=True)
+        scale_before = float(acc.scaler.get_scale()) if acc.scaler is not None else 0.0
         if not hold or acc.scaler is not None:
             # float16: step even when holding (no gradients, so nothing moves) so that the
             # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
@@ -261,7 +262,10 @@ class PolicyUpdate:
             record["entropy_coef"] = self.entropy.coef  # after this step's update, as TRL logs it
         if acc.scaler is not None:  # float16: the scaler skips steps whose gradients overflowed
             record["loss_scale"] = float(acc.scaler.get_scale())
-            record["scaler_skipped"] = 1.0 if getattr(self.optimizer, "step_was_skipped", False) else 0.0
+            # The scaler lowers its scale exactly when it found inf/NaN gradients and skipped the
+            # update. (accelerate's ``step_was_skipped`` reads False with the fused AdamW, which
+            # is always called and skips inside its kernel: seen on the H200.)
+            record["scaler_skipped"] = 1.0 if record["loss_scale"] < scale_before else 0.0
         return record
 
 
@@ -290,11 +294,11 @@ def master_weights_for(trainable: list[torch.nn.Parameter], wanted: bool | None)
 
 
 def make_optimizer(
-    trainable: list[torch.Tensor], config: GRPOConfig, device: torch.device, *, fused: bool | None = None
+    trainable: list[torch.Tensor], config: GRPOConfig, device: torch.device, *, fused: bool = True
 ) -> torch.optim.Optimizer:
     """AdamW over ``trainable`` (or their master copies); weight decay only on matrices (not
-    biases or norms). ``fused``: None picks the fused kernel on CUDA; False for FSDP's sharded
-    (DTensor) parameters, which take the multi-tensor path."""
+    biases or norms). ``fused``: the fused kernel on CUDA; False for FSDP's sharded (DTensor)
+    parameters, which take the multi-tensor path."""
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
@@ -302,12 +306,9 @@ def make_optimizer(
         groups.append({"params": no_decay, "weight_decay": 0.0})
     # On CUDA the fused kernel: one launch per step and no parameter-sized temporaries (the
     # default multi-tensor path allocates some, which set the peak memory of a small model).
-    if fused is None:
-        fused = True if device.type == "cuda" else None
-    else:
-        fused = fused or None
     return torch.optim.AdamW(
-        groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, fused=fused
+        groups, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+        fused=True if fused and device.type == "cuda" else None,
     )
 
 

@@ -411,6 +411,9 @@ class VLLMGenerator(Generator):
         """vLLM SamplingParams for one request of ``n`` samples; vLLM gives sample j the seed
         ``seed + j``."""
         s = self.sampling
+        # The trainer reads token ids only; detokenizing costs host time per sampled token (and
+        # per log-prob entry). Stop strings need the text, so they keep it on.
+        detokenize = "stop" in s.extra
         return self._vllm.SamplingParams(
             n=n,
             temperature=s.temperature,
@@ -421,7 +424,7 @@ class VLLMGenerator(Generator):
             max_tokens=s.max_completion_length,
             logprobs=0,  # the sampled token's own log-prob only
             seed=seed,
-            **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
+            **{"detokenize": detokenize, **s.extra},  # generation_kwargs (the sampling ones were moved to their keys)
         )
 
     def seed_base(self, samples: int) -> int | None:

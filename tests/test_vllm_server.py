@@ -507,3 +507,21 @@ def test_the_engine_trains_through_the_server(server, tiny_model: dict, tmp_path
     records = read_metrics(tmp_path / "out")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all("sampling/importance_sampling_ratio/mean" in r for r in records)
+
+
+# -- bench/check_vllm_server.py ----------------------------------------------------------------------
+
+
+def test_the_gpu_checks_server_command_and_generator_params() -> None:
+    from bench import check_vllm_server as check
+
+    args = check.parse_args(["--transport", "nccl", "--server-gpus", "1", "--port", "8123"])
+    assert check.server_command(args, "/ckpt")[3:] == [
+        "serve", "/ckpt", "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "policy", "--dtype", "bfloat16",
+        "--gpu-memory-utilization", "0.3", "--logprobs-mode", "processed_logprobs", "--seed", "0",
+        "--weight-transfer-config", '{"backend": "nccl"}',
+    ]
+    env = check.server_environment(args)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    params = VLLMGeneratorParams(**check.generator(args, sync_weights=False)["params"])
+    assert (params.mode, params.server_port, params.server_weight_transfer, params.sync_weights) == ("server", 8123, "nccl", False)

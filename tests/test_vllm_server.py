@@ -525,3 +525,16 @@ def test_the_gpu_checks_server_command_and_generator_params() -> None:
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
     params = VLLMGeneratorParams(**check.generator(args, sync_weights=False)["params"])
     assert (params.mode, params.server_port, params.server_weight_transfer, params.sync_weights) == ("server", 8123, "nccl", False)
+
+
+def test_the_nccl_transport_without_vllm_on_the_trainer_says_what_to_do(tokenizer, tiny_model: dict, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    fake = FakeVLLMServer(tokenizer)
+    try:
+        with pytest.raises(VLLMServerError, match=r"^generator\.params\.server_weight_transfer: nccl needs vLLM .* or use "
+                           r"server_weight_transfer: disk \(server on this machine\) or sync_weights: false$"):
+            _setup(fake, tiny_model)
+    finally:
+        fake.close()

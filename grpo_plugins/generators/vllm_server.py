@@ -246,6 +246,16 @@ class VLLMCollective:
     CUDA on the trainer, and the server's workers on *other* GPUs (NCCL refuses two ranks on one
     GPU). NOT yet run on a GPU; docs/vllm.md says how to check it."""
 
+    def __init__(self) -> None:
+        try:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine  # noqa: F401
+        except ImportError as exc:
+            raise VLLMServerError(
+                "generator.params.server_weight_transfer: nccl needs vLLM (its NCCL weight-transfer module, as in 0.26) "
+                f"in the training environment too ({exc}); install it, or use server_weight_transfer: disk "
+                "(server on this machine) or sync_weights: false"
+            ) from None
+
     def trainer_init(self, init_info: dict[str, Any]) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 

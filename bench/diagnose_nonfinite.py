@@ -87,6 +87,8 @@ def diagnose(engine: Any, micro_step: Any, rollout: Any, step: Any, window_items
         {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in rollout.to_state().items()} | {"rows": step.rows},
         out_dir() / "nonfinite_batch.pt",
     )
+    write_json(out_dir() / "nonfinite.partial.json", report)  # in case the variants below run out of time
+    print(json.dumps(report, default=str), flush=True)
 
     policy = engine.update.policy  # what the micro-step's forwards run with
     compiled, chunk = engine.compiled_layers, policy.chunk_fn
@@ -150,6 +152,10 @@ def diagnose(engine: Any, micro_step: Any, rollout: Any, step: Any, window_items
     if compiled is not None:
         torch._dynamo.reset()
         run("compiled_sdpa_math", compiled, chunk, sdpa_kernel([SDPBackend.MATH]))
+        torch._dynamo.reset()
+        run("compiled_sdpa_efficient", compiled, chunk, sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]))
+        torch._dynamo.reset()
+        run("compiled_again", compiled, chunk)  # freshly compiled: does the NaN come back?
     return report
 
 

@@ -42,6 +42,7 @@ class FakeVLLMServer:
         self.vocab_size = len(tokenizer)
         self.token_offset = 0  # > 0: a server with another vocabulary
         self.dev_mode = True
+        self.weight_transfer_config: dict | None = {"backend": "nccl"}  # --weight-transfer-config
         self.healthy_at = 0.0  # time.monotonic() from which /health answers 200
         self.fail: dict[str, int] = {}  # path -> HTTP status to answer with
         self.script: dict[tuple[int, ...], list[dict[str, Any]]] = {}
@@ -75,7 +76,7 @@ class FakeVLLMServer:
         if path in self.fail:
             return self.fail[path], {"error": {"message": f"boom at {path}\nsecond line", "type": "InternalServerError", "code": self.fail[path]}}
         dev_only = {"/get_world_size", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                    "/finish_weight_update", "/reset_prefix_cache", "/collective_rpc"}
+                    "/finish_weight_update", "/reset_prefix_cache", "/collective_rpc", "/server_info"}
         if path in dev_only and not self.dev_mode:
             return 404, {"detail": "Not Found"}
         route = {
@@ -83,6 +84,7 @@ class FakeVLLMServer:
             "/tokenize": lambda: self.tokenize(body),
             "/v1/completions": lambda: self.completions(body),
             "/get_world_size": lambda: (200, {"world_size": self.world_size}),
+            "/server_info": lambda: (200, {"vllm_config": {"weight_transfer_config": self.weight_transfer_config}, "vllm_env": {}}),
             "/init_weight_transfer_engine": lambda: self.init_transfer(body),
             "/start_weight_update": self.start_update,
             "/update_weights": lambda: self.update_weights(body),
@@ -142,6 +144,8 @@ class FakeVLLMServer:
         info = body.get("init_info")
         if info is None:
             return 400, {"detail": "Missing 'init_info' in request body"}
+        if self.weight_transfer_config is None:
+            return 500, {"detail": "Weight transfer not configured."}  # and the trainer's rendezvous waits forever
         if set(info) != {"master_address", "master_port", "rank_offset", "world_size"}:
             return 500, {"detail": f"Invalid init_info for NCCLWeightTransferEngine: {sorted(info)}"}
         # The workers join the trainer's NCCL group: this blocks until the trainer joins too.
@@ -388,6 +392,14 @@ def test_a_server_without_dev_mode_is_told_how_to_start(server, tiny_model: dict
     server.dev_mode = False
     with pytest.raises(VLLMServerError, match=r"server_weight_transfer: .* VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config"):
         _setup(server, tiny_model)
+
+
+def test_a_server_without_the_nccl_backend_is_refused_before_the_rendezvous(server, tiny_model: dict) -> None:
+    server.weight_transfer_config = None
+    with pytest.raises(VLLMServerError, match=r"server_weight_transfer: .* was started without --weight-transfer-config "
+                       r"'\{\"backend\": \"nccl\"\}' \(it has null\); restart it with that flag, or use server_weight_transfer: disk$"):
+        _setup(server, tiny_model)
+    assert "/init_weight_transfer_engine" not in server.paths() and server.collectives[-1].init_infos == []
 
 
 # -- weight sync -------------------------------------------------------------------------------------

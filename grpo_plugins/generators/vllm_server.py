@@ -328,6 +328,7 @@ class NCCLWeightTransport:
                 "endpoints (HTTP 404 on /get_world_size); start it with VLLM_SERVER_DEV_MODE=1 and "
                 "--weight-transfer-config '{\"backend\": \"nccl\"}'"
             ) from None
+        self._check_backend(client)
         host = self.group_host or local_address_towards(client.host, client.port)
         world_size = inference_world + 1  # the trainer is rank 0
         init_info = {"master_address": host, "master_port": self.group_port, "rank_offset": 1, "world_size": world_size}
@@ -337,6 +338,25 @@ class NCCLWeightTransport:
                 {"master_address": host, "master_port": self.group_port, "world_size": world_size}
             ),
         )
+
+    @staticmethod
+    def _check_backend(client: ServerClient) -> None:
+        """Refuse a server started without the NCCL weight-transfer backend before the
+        rendezvous, which would otherwise wait for workers that never join. ``/server_info``
+        (dev mode) shows the server's config; where it does not answer, nothing is checked."""
+        try:
+            config = (client.get("/server_info?config_format=json", timeout=120) or {}).get("vllm_config")
+        except VLLMServerError:
+            return
+        if not isinstance(config, dict) or "weight_transfer_config" not in config:
+            return
+        transfer = config["weight_transfer_config"]
+        if not isinstance(transfer, dict) or transfer.get("backend") != "nccl":
+            raise VLLMServerError(
+                f"generator.params.server_weight_transfer: the vLLM server at {client.base_url} was started without "
+                f"--weight-transfer-config '{{\"backend\": \"nccl\"}}' (it has {json.dumps(transfer)}); restart it "
+                "with that flag, or use server_weight_transfer: disk"
+            )
 
     def send(self, client: ServerClient, weights: Iterator[tuple[str, Tensor]], metadata: list[tuple[str, str, list[int]]]) -> None:
         names, dtypes, shapes = (list(column) for column in zip(*metadata)) if metadata else ([], [], [])

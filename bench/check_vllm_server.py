@@ -11,7 +11,8 @@ through it with check_vllm.py's ``run`` (same workload and per-step records):
 * ``sync``: ``--steps`` steps of ``--completions`` x ``--tokens`` at ``--lr``, weights sent
   after every step through ``--transport``. Expected: the mean |sampler - trainer| log-prob per
   token stays at bf16 noise (colocate mode: ~0.005-0.007) and the IS ratio near 1.
-* ``nosync``: the same with ``sync_weights: false``; the mismatch should grow.
+* ``nosync``: the same with ``sync_weights: false``; the mismatch should grow. It runs first,
+  while the server still holds the checkpoint's weights (the run's initial ones).
 
 ``--transport disk`` (default) works with the server on the trainer's GPU; ``--transport nccl``
 needs the server on another GPU (NCCL refuses two ranks on one device): on a 2-GPU machine,
@@ -78,6 +79,25 @@ def server_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def wait_for_server(args: argparse.Namespace, server: subprocess.Popen, log_path: Path) -> None:
+    """Until ``GET /health`` answers; raises with the log's tail if the server exits first."""
+    from grpo_plugins.generators.vllm_server import ServerClient, VLLMServerError
+
+    client = ServerClient("127.0.0.1", args.port, 5.0)
+    deadline = time.monotonic() + args.server_timeout
+    while True:
+        if server.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vllm serve exited {server.returncode}; the end of {log_path}:\n{tail}")
+        try:
+            client.get("/health")
+            return
+        except VLLMServerError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def generator(args: argparse.Namespace, **params: Any) -> dict[str, Any]:
     return {"name": "vllm", "params": {
         "mode": "server", "server_port": args.port, "server_model": "policy", "server_timeout": args.server_timeout,
@@ -106,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     del model
     torch.cuda.empty_cache()
     log_path = args.out.with_suffix(".server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     command = server_command(args, checkpoint)
     RESULTS["server_command"] = " ".join(command)
     print("starting:", RESULTS["server_command"], flush=True)
@@ -114,7 +135,18 @@ def main(argv: list[str] | None = None) -> int:
                                   start_new_session=True)
     start = time.perf_counter()
     try:
-        for part in args.parts:
+        # Before the trainer allocates anything: vLLM sizes its KV cache from the GPU's memory at start-up.
+        try:
+            wait_for_server(args, server, log_path)
+        except Exception as exc:
+            RESULTS["errors"].append({"run": "server", "error": repr(exc), "trace": traceback.format_exc()})
+            print(exc, file=sys.stderr, flush=True)
+            return 1
+        RESULTS["server_start_s"] = time.perf_counter() - start
+        print(f"server up after {RESULTS['server_start_s']:.1f} s", flush=True)
+        # nosync first, while the server still holds the checkpoint's (= the run's initial) weights;
+        # sync sends the policy's weights at its start anyway.
+        for part in sorted(args.parts, key=["nosync", "sync"].index):
             params = {} if part == "sync" else {"sync_weights": False}
             print(f"== {part}", flush=True)
             try:
@@ -125,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
                 RESULTS["errors"].append({"run": part, "error": repr(exc), "trace": traceback.format_exc()})
                 traceback.print_exc()
             RESULTS["runs"][part] = record
-            if part == args.parts[0]:
-                RESULTS["server_ready_and_first_run_s"] = time.perf_counter() - start
             write_json(args.out, RESULTS)
             if server.poll() is not None:
                 RESULTS["errors"].append({"run": part, "error": f"the server exited {server.returncode}; see {log_path}"})

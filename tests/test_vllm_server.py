@@ -354,8 +354,32 @@ def test_an_unreachable_server_is_a_one_line_error_naming_the_fields(tiny_model:
         gen.setup(model, tokenizer, SamplingSettings())
     message = str(info.value)
     assert message.startswith("generator.params.server_host/server_port: no vLLM server answered at ")
-    assert f"http://127.0.0.1:{port}/health within 0.3 s (server_timeout" in message and "\n" not in message
+    assert f"http://127.0.0.1:{port}/health within 0.3 s (server_timeout; last: did not answer GET /health (" in message
+    assert "\n" not in message
     assert time.monotonic() - start < 3
+
+
+def test_something_else_than_a_vllm_server_on_the_port_is_named(tiny_model: dict) -> None:
+    class Html(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"" if self.path == "/health" else b"<html>a dashboard</html>")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    model, tokenizer = load_model(tiny_model)
+    gen = VLLMGenerator(VLLMGeneratorParams(mode="server", server_port=httpd.server_address[1], server_timeout=2))
+    try:
+        with pytest.raises(VLLMServerError, match=r"answered GET /v1/models with something other than JSON "
+                           r"\('<html>a dashboard</html>'\); is it a vLLM server\?$"):
+            gen.setup(model, tokenizer, SamplingSettings())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_setup_waits_for_the_server_to_become_healthy(server, tiny_model: dict) -> None:

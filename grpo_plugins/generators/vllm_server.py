@@ -101,7 +101,13 @@ class ServerClient:
                 f"generator.params.server_host/server_port: the vLLM server at {self.base_url} did not answer "
                 f"{method} {path} ({_one_line(str(reason), 120)}); is it still running?"
             ) from None
-        return json.loads(raw) if raw.strip() else None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            raise VLLMServerError(
+                f"generator.params.server_host/server_port: {self.base_url} answered {method} {path} with something "
+                f"other than JSON ({_one_line(raw.decode('utf-8', 'replace'), 80)!r}); is it a vLLM server?"
+            ) from None
 
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.request("GET", path, **kwargs)
@@ -119,7 +125,7 @@ class ServerClient:
                 self.get("/health", timeout=max(0.1, min(5.0, remaining)))
                 return
             except VLLMServerError as exc:
-                last = str(exc).split(": ", 1)[-1]
+                last = str(exc).split(f"{self.base_url} ", 1)[-1].removesuffix("; is it still running?")
             if remaining <= 0:
                 raise VLLMServerError(
                     f"generator.params.server_host/server_port: no vLLM server answered at {self.base_url}/health "

@@ -426,6 +426,23 @@ def test_a_server_without_the_nccl_backend_is_refused_before_the_rendezvous(serv
     assert "/init_weight_transfer_engine" not in server.paths() and server.collectives[-1].init_infos == []
 
 
+@pytest.mark.parametrize(
+    ("transfer", "refused"),
+    [({"backend": "nccl"}, False), ("WeightTransferConfig(backend='nccl')", False), ({"backend": "ipc"}, True),
+     ({"backend": "sparse_nccl"}, True), (None, True)],
+)
+def test_the_backend_check_reads_the_servers_config(server, transfer: Any, refused: bool) -> None:
+    from grpo_plugins.generators.vllm_server import NCCLWeightTransport, ServerClient
+
+    server.weight_transfer_config = transfer
+    client = ServerClient("127.0.0.1", server.port, 5)
+    if refused:
+        with pytest.raises(VLLMServerError, match="was started without --weight-transfer-config"):
+            NCCLWeightTransport._check_backend(client)
+    else:
+        NCCLWeightTransport._check_backend(client)
+
+
 # -- weight sync -------------------------------------------------------------------------------------
 
 

@@ -356,8 +356,9 @@ class NCCLWeightTransport:
             return
         if not isinstance(config, dict) or "weight_transfer_config" not in config:
             return
-        transfer = config["weight_transfer_config"]
-        if not isinstance(transfer, dict) or transfer.get("backend") != "nccl":
+        transfer = config["weight_transfer_config"]  # null, {"backend": ...}, or its str() (dump fallback)
+        backend = transfer.get("backend") if isinstance(transfer, dict) else transfer
+        if backend is None or "nccl" not in str(backend) or "sparse_nccl" in str(backend):
             raise VLLMServerError(
                 f"generator.params.server_weight_transfer: the vLLM server at {client.base_url} was started without "
                 f"--weight-transfer-config '{{\"backend\": \"nccl\"}}' (it has {json.dumps(transfer)}); restart it "

@@ -72,7 +72,7 @@ def _layout(ids: torch.Tensor, att: torch.Tensor, t: int) -> dict[str, Any]:
 
 def diagnose(engine: Any, micro_step: Any, rollout: Any, step: Any, window_items: float) -> dict[str, Any]:
     """``micro_step``: the run's own (unchecked) ``PolicyUpdate.micro_step``, bound to it."""
-    from grpo_plugins.compiled_layers import layers_active
+    from grpo_plugins.attention import training_passes
     from grpo_plugins.rollout import trim_padding
     from grpo_plugins.update import AccumulationWindow
 
@@ -98,7 +98,7 @@ def diagnose(engine: Any, micro_step: Any, rollout: Any, step: Any, window_items
     def run(name: str, layers: Any, chunk_fn: Any, context: Any = contextlib.nullcontext()) -> None:
         for p in params:
             p.grad = None
-        policy.layers, policy.chunk_fn = functools.partial(layers_active, layers), chunk_fn
+        policy.layers, policy.chunk_fn = functools.partial(training_passes, layers), chunk_fn
         try:
             window = AccumulationWindow()
             with context:

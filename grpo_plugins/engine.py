@@ -37,7 +37,8 @@ from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
     capture_rng, latest_checkpoint, load_checkpoint, resolve_resume, restore_rng, save_checkpoint, write_atomic,
 )
-from grpo_plugins.compiled_layers import compiled_layers_for, layers_active
+from grpo_plugins.attention import training_passes
+from grpo_plugins.compiled_layers import compiled_layers_for
 from grpo_plugins.config import GRPOConfig, load_config
 from grpo_plugins.episodes import build_environment
 from grpo_plugins.errors import TrainingError
@@ -208,7 +209,7 @@ class Engine:
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)
         compiled = self.compiled_layers
         policy = Policy(
-            self.model, self.unwrapped, self.ref_model, self.is_peft, functools.partial(layers_active, compiled),
+            self.model, self.unwrapped, self.ref_model, self.is_peft, functools.partial(training_passes, compiled),
             compiled.chunk_logps if compiled is not None else None,
             multiple=math.lcm(8 if compiled is not None else 1, cfg.pad_to_multiple_of or 1),
         )

@@ -299,7 +299,8 @@ def run(
                 t0 = time.perf_counter()
                 original(self, *args, **kwargs)
                 setup_seconds.append(time.perf_counter() - t0)
-                memory.phase = "train"
+                # "train" starts after the first generation: until then a sleep-mode engine is
+                # still awake, and the time before it is setup, not training.
 
             return setup
 

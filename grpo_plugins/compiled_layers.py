@@ -99,17 +99,17 @@ class CompiledLayers:
 
 
 def compiled_layers_for(
-    model: Any, compile_layers: bool | None, device: torch.device, *, is_peft: bool = False
+    model: Any, compile_layers: bool | None, device: torch.device, *, quantized: bool = False
 ) -> CompiledLayers | None:
     """The decoder layers' compiled forwards for the training and log-prob passes, or None.
 
-    Default (``compile_layers: null``): on for full fine-tuning on CUDA, where it cut the
-    micro-step of a 0.5B model by 40 %; off for LoRA, where on the embedded model it was no
-    faster (0.93 vs 0.87 s/step on an H200) and a run stopped with a non-finite LoRA gradient
-    at step 36 that eager runs never showed (docs/performance.md).
+    Default (``compile_layers: null``): on for CUDA training, full fine-tuning and LoRA alike --
+    on the H200 it cut the micro-step of a 0.5B model by 40 % and the GPU example's (LoRA)
+    median step from 0.95 to 0.32 s (docs/performance.md) -- except over a quantized
+    (bitsandbytes) base, whose layers have not been run compiled; off on a CPU.
     """
     on_cuda = device.type == "cuda"
-    if not (on_cuda and not is_peft if compile_layers is None else compile_layers):
+    if not (on_cuda and not quantized if compile_layers is None else compile_layers):
         return None
     # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
     # same graphs without needing a C++ compiler (what the CPU tests exercise).

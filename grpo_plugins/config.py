@@ -250,7 +250,7 @@ class GRPOConfig(_Strict):
     logprob_chunk_size: int = Field(1024, ge=1, description="Rows x tokens per chunk of the chunked log-softmax.")
     compile_layers: bool | None = Field(
         None,
-        description="torch.compile each decoder layer's forward for the training and log-prob passes (fewer, fused kernels; compiles on the first steps). None: on for full fine-tuning on CUDA, off for LoRA (no faster there, and a LoRA run once hit a non-finite gradient with it; see docs/performance.md).",
+        description="torch.compile each decoder layer's forward for the training and log-prob passes (fewer, fused kernels; compiles on the first steps). None: on when training on CUDA (full fine-tuning and LoRA), off over a quantized (4/8-bit) base and on a CPU; the first steps pay the compilation (about 1-2 minutes on an H200; docs/performance.md).",
     )
     train_chunk_rows: int | None = Field(
         None,

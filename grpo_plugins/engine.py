@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
+from grpo_plugins.attention import training_passes
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
     capture_rng, latest_checkpoint, load_checkpoint, resolve_resume, restore_rng, save_checkpoint, write_atomic,
 )
-from grpo_plugins.attention import training_passes
 from grpo_plugins.compiled_layers import compiled_layers_for
 from grpo_plugins.config import GRPOConfig, load_config
 from grpo_plugins.episodes import build_environment
@@ -53,6 +53,7 @@ from grpo_plugins.rollout import Policy, RewardFailed, Rollout, RolloutMaker, ac
 from grpo_plugins.runtime import make_accelerator
 from grpo_plugins.step_log import StepLog
 from grpo_plugins.precision import MasterWeights
+from grpo_plugins.quantization import is_quantized
 from grpo_plugins.update import (
     AccumulationWindow, PolicyUpdate, make_optimizer, make_scheduler, master_weights_for, trainable_parameters,
 )
@@ -255,7 +256,9 @@ class Engine:
         stepped = self.master.params if self.master is not None else self.trainable
         self.model, self.optimizer = acc.prepare(model, make_optimizer(stepped, cfg, acc.device))
         self.unwrapped = acc.unwrap_model(self.model)
-        self.compiled_layers = compiled_layers_for(self.unwrapped, cfg.compile_layers, acc.device, is_peft=self.is_peft)
+        self.compiled_layers = compiled_layers_for(
+            self.unwrapped, cfg.compile_layers, acc.device, quantized=is_quantized(self.unwrapped)
+        )
 
     def _load_data(self) -> None:
         from grpo_plugins.data import prepare_dataset

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from typing import Any
 
 from grpo_plugins.errors import GRPOPluginsError
@@ -85,8 +86,8 @@ def is_quantized(model: Any) -> bool:
 
 def quantized_layer_count(model: Any) -> int:
     """How many bitsandbytes 4-bit / 8-bit linear layers ``model`` holds."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return 0
+    if "bitsandbytes" not in sys.modules:
+        return 0  # no bitsandbytes layer can exist yet (and importing it costs seconds)
     import bitsandbytes as bnb
 
     kinds = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)

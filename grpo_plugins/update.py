@@ -225,6 +225,7 @@ class PolicyUpdate:
         hold = nonfinite or window_items == 0
         if hold:
             self.optimizer.zero_grad(set_to_none=True)
+        scale_before = float(acc.scaler.get_scale()) if acc.scaler is not None else 0.0
         if not hold or acc.scaler is not None:
             # float16: step even when holding (no gradients, so nothing moves) so that the
             # gradient scaler's unscale/update cycle completes; the next step would fail otherwise.
@@ -259,7 +260,10 @@ class PolicyUpdate:
             record["entropy_coef"] = self.entropy.coef  # after this step's update, as TRL logs it
         if acc.scaler is not None:  # float16: the scaler skips steps whose gradients overflowed
             record["loss_scale"] = float(acc.scaler.get_scale())
-            record["scaler_skipped"] = 1.0 if getattr(self.optimizer, "step_was_skipped", False) else 0.0
+            # The scaler lowers its scale exactly when it found inf/NaN gradients and skipped the
+            # update. (accelerate's ``step_was_skipped`` reads False with the fused AdamW, which
+            # is always called and skips inside its kernel: seen on the H200.)
+            record["scaler_skipped"] = 1.0 if record["loss_scale"] < scale_before else 0.0
         return record
 
 

@@ -163,3 +163,19 @@ def test_a_compilation_failure_is_one_clear_error(tiny_model: dict, tmp_path: Pa
     torch._dynamo.reset()
     with pytest.raises(GRPOPluginsError, match="compile_layers: torch.compile failed .*triton.*compile_layers: false"):
         _train(tiny_model, tmp_path, True, {})
+
+
+def test_default_compiles_on_cuda_for_full_and_lora_but_not_over_a_quantized_base() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_plugins.compiled_layers import compiled_layers_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # nothing is compiled until first called
+    full = _model("llama", layers=2)
+    lora = get_peft_model(_model("llama", layers=2), LoraConfig(r=4, target_modules="all-linear"))
+    assert compiled_layers_for(full, None, cuda) is not None
+    assert compiled_layers_for(lora, None, cuda) is not None  # the LoRA NaN was cuDNN attention's (attention.py)
+    assert compiled_layers_for(lora, None, cuda, quantized=True) is None
+    assert compiled_layers_for(lora, True, cuda, quantized=True) is not None  # asked for explicitly
+    assert compiled_layers_for(full, None, cpu) is None
+    assert compiled_layers_for(full, False, cuda) is None

@@ -358,9 +358,24 @@ def test_float16_skipped_steps_keep_the_gradient_scaler_working(tiny_model: dict
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="float16 training needs CUDA")
-def test_float16_logs_the_loss_scale_and_the_scalers_skipped_steps(tiny_model: dict, tmp_path: Path) -> None:
+def test_float16_logs_the_loss_scale_and_the_scalers_skipped_steps(
+    tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grpo_plugins.engine as engine_module
+
+    make = engine_module.make_accelerator
+
+    def huge_initial_scale(*args: Any, **kwargs: Any) -> Any:
+        acc, plan = make(*args, **kwargs)
+        acc.scaler._init_scale = 2.0**40  # every scaled gradient overflows float16 at first
+        return acc, plan
+
+    monkeypatch.setattr(engine_module, "make_accelerator", huge_initial_scale)
     model, tok = _model(tiny_model)
+    before = {k: v.float().cpu() for k, v in _snapshot(model).items()}
     cfg = _config(tiny_model, tmp_path, dtype="float16", max_steps=3)
     Engine(cfg, model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS).train()
     records = read_metrics(tmp_path / "out")
-    assert all(r["loss_scale"] > 0 and r["scaler_skipped"] in (0.0, 1.0) for r in records)
+    assert [r["loss_scale"] for r in records] == [2.0**39, 2.0**38, 2.0**37]
+    assert [r["scaler_skipped"] for r in records] == [1.0, 1.0, 1.0]
+    assert all(torch.equal(before[k], v.detach().float().cpu()) for k, v in model.named_parameters())

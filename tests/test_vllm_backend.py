@@ -250,7 +250,7 @@ def test_sampling_settings_map_to_sampling_params(fake_vllm, tiny_model: dict) -
     p = gen.sampling_params(4, 123).kwargs
     assert p == {
         "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.2,
-        "max_tokens": 6, "logprobs": 0, "seed": 123,
+        "max_tokens": 6, "logprobs": 0, "seed": 123, "detokenize": False,
     }
     gen.sampling = SamplingSettings(top_k=5, min_p=0.05, seed=None)
     q = gen.sampling_params(1, None).kwargs
@@ -262,6 +262,9 @@ def test_generation_kwargs_reach_sampling_params(fake_vllm, tiny_model: dict) ->
     gen.sampling = SamplingSettings(extra={"presence_penalty": 0.3, "stop": ["\n\n"]})
     p = gen.sampling_params(2, None).kwargs
     assert p["presence_penalty"] == 0.3 and p["stop"] == ["\n\n"]
+    assert p["detokenize"] is True  # stop strings are matched on the text
+    gen.sampling = SamplingSettings(extra={"detokenize": True})
+    assert gen.sampling_params(2, None).kwargs["detokenize"] is True  # the user's choice wins
     assert type(gen).accepts_generation_kwargs
 
 
@@ -562,7 +565,7 @@ def test_sleep_level_2_without_sync_is_refused() -> None:
         VLLMGeneratorParams(enable_sleep_mode=True, sleep_level=2, sync_weights=False)
 
 
-# -- environment, availability ---------------------------------------------------------
+# -- environment, availability ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -526,12 +526,15 @@ class VLLMGenerator(Generator):
             "max_tokens": s.max_completion_length,
             "logprobs": 0,  # the sampled token's own log-prob only
             "seed": seed,
-            **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
+            **s.extra,  # generation_kwargs (the sampling ones were moved to their keys)
         }
 
     def sampling_params(self, n: int, seed: int | None) -> Any:
         """vLLM SamplingParams for one request of ``n`` samples (:meth:`sampling_fields`)."""
-        return self._vllm.SamplingParams(**self.sampling_fields(n, seed))
+        # The trainer reads token ids only; detokenizing costs host time per sampled token (and
+        # per log-prob entry). Stop strings need the text, so they keep it on. (The server's
+        # CompletionRequest has no such field: it always detokenizes.)
+        return self._vllm.SamplingParams(**{"detokenize": "stop" in self.sampling.extra, **self.sampling_fields(n, seed)})
 
     def seed_base(self, samples: int) -> int | None:
         """The first seed of this call's ``samples`` consecutive sample seeds: drawn from the

@@ -565,18 +565,7 @@ def test_sleep_level_2_without_sync_is_refused() -> None:
         VLLMGeneratorParams(enable_sleep_mode=True, sleep_level=2, sync_weights=False)
 
 
-# -- server mode, environment, availability ---------------------------------------------------------
-
-
-def test_server_mode_is_a_clear_validation_error() -> None:
-    from grpo_plugins.validation import check_config
-
-    with pytest.raises(ValueError, match="mode: server .* not implemented yet"):
-        VLLMGeneratorParams(mode="server", server_host="10.0.0.2")
-    config = {"task": "arithmetic", "num_generations": 4, "per_device_train_batch_size": 4,
-              "generator": {"name": "vllm", "params": {"mode": "server"}}}
-    problems = check_config(config).problems
-    assert any(path.startswith("generator.params") and "not implemented yet" in msg for path, msg in problems)
+# -- environment, availability ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

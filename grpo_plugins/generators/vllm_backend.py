@@ -16,6 +16,11 @@ path, also right for quantized layers) where the installed vLLM has it, else thr
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the iterator is consumed in place, never pickled.
 The prefix cache is then reset, since cached prompt KV entries were computed with the old weights.
 
+``mode: server`` generates with a separate ``vllm serve`` over HTTP instead and sends it the
+weights through a transport (NCCL or a shared folder); the client side is in
+:mod:`grpo_plugins.generators.vllm_server`. Seeds, prompt grouping and output conversion are
+the same in both modes.
+
 It samples from a copy of the policy in another engine, so ``samples_from_policy`` is False and
 ``vllm_importance_sampling_correction: auto`` turns truncated importance sampling on. torch and
 vllm are imported inside functions.
@@ -36,6 +41,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_plugins.generators import GeneratorUnavailableError
+from grpo_plugins.generators.vllm_server import (
+    TRANSPORTS,
+    ServerClient,
+    WeightTransport,
+    check_tokenizer,
+    generate_on_server,
+    reset_prefix_cache,
+    served_model,
+)
 from grpo_plugins.kinds import GenerationOutput, Generator, SamplingSettings
 
 if TYPE_CHECKING:
@@ -53,15 +67,34 @@ class VLLMGeneratorParams(BaseModel):
 
     mode: Literal["colocate", "server"] = Field(
         "colocate",
-        description="colocate: an engine in each training process. server: generation on other GPUs "
-        "(not implemented yet; see docs/vllm.md).",
+        description="colocate: an engine in each training process. server: generation by a separate "
+        "`vllm serve` (other GPUs or another machine), weights sent to it after each step (docs/vllm.md).",
     )
     server_host: str = Field("127.0.0.1", description="mode server: host of the vLLM server.")
     server_port: int = Field(8000, ge=1, le=65535, description="mode server: HTTP port of the vLLM server.")
-    server_group_port: int = Field(
-        51216, ge=1, le=65535, description="mode server: port of the NCCL group that sends weights."
+    server_model: str | None = Field(
+        None, description="mode server: the served model name to request; None: the server's first (/v1/models)."
     )
-    server_timeout: float = Field(240.0, gt=0, description="mode server: seconds to wait for the server.")
+    server_timeout: float = Field(
+        240.0, gt=0, description="mode server: seconds to wait for the server's /health at start-up, and for each request."
+    )
+    server_weight_transfer: Literal["nccl", "disk"] = Field(
+        "nccl",
+        description="mode server: how weights reach the server. nccl: broadcast over NCCL (vLLM's weight-transfer "
+        "endpoints; the server on other GPUs). disk: a safetensors file in server_weight_dir that the server "
+        "reloads (same machine, also the same GPU).",
+    )
+    server_group_host: str | None = Field(
+        None,
+        description="mode server, nccl: this machine's address the server's workers connect to (the trainer hosts "
+        "the NCCL rendezvous); None: the local address that routes to server_host.",
+    )
+    server_group_port: int = Field(
+        51216, ge=1, le=65535, description="mode server, nccl: port of the NCCL rendezvous, on the trainer's machine."
+    )
+    server_weight_dir: str | None = Field(
+        None, description="mode server, disk: folder the server can read; None: a temporary folder on this machine."
+    )
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU memory share of the colocated engine.")
     max_model_len: int | None = Field(None, ge=1, description="Context length; None: vLLM's default for the model.")
     enable_prefix_caching: bool = True
@@ -95,10 +128,9 @@ class VLLMGeneratorParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> VLLMGeneratorParams:
-        if self.mode == "server":
+        if self.mode == "server" and self.enable_sleep_mode:
             raise ValueError(
-                "mode: server (generation on other GPUs, weights sent over NCCL) is not implemented yet; "
-                "use mode: colocate (docs/vllm.md describes the planned design)"
+                "enable_sleep_mode is for mode: colocate (a server's memory is its own); set it to false"
             )
         if self.sleep_level == 2 and not self.sync_weights:
             raise ValueError("sleep_level 2 discards the engine's weights, so it needs sync_weights: true")
@@ -148,19 +180,12 @@ def _reload_takes_iterator() -> bool:
         return False
 
 
-def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) pairs of ``model`` in transformers naming, produced lazily.
-
-    For a peft model each LoRA-wrapped weight is yielded as ``base + delta`` computed out of
-    place (the model is never merged and unmerged, which would drift low-precision base weights
-    a little at every sync); adapter tensors are skipped and ``base_layer`` /
-    ``modules_to_save`` names mapped back to the base model's.
-    """
-    import torch
-
+def _policy_entries(model: Any) -> Iterator[tuple[str, Tensor, Any]]:
+    """(state-dict name, tensor, LoRA layer whose delta is still to be added, or None) of
+    ``model``; peft's adapter tensors are skipped."""
     if not hasattr(model, "get_base_model"):
         for name, tensor in model.state_dict().items():
-            yield name, tensor.detach()
+            yield name, tensor, None
         return
     base = model.get_base_model()
     lora_layers = {
@@ -172,12 +197,37 @@ def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
         if "lora_" in name or ".original_module." in name:
             continue
         layer = lora_layers.get(name)
-        if layer is not None and not getattr(layer, "merged", False) and not getattr(layer, "disable_adapters", False):
+        if layer is not None and (getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False)):
+            layer = None
+        yield name, tensor, layer
+
+
+def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) pairs of ``model`` in transformers naming, produced lazily.
+
+    For a peft model each LoRA-wrapped weight is yielded as ``base + delta`` computed out of
+    place (the model is never merged and unmerged, which would drift low-precision base weights
+    a little at every sync); adapter tensors are skipped and ``base_layer`` /
+    ``modules_to_save`` names mapped back to the base model's.
+    """
+    import torch
+
+    for name, tensor, layer in _policy_entries(model):
+        if layer is not None:
             with torch.no_grad():
                 for adapter in layer.active_adapters:
                     if adapter in getattr(layer, "lora_A", {}):
                         tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
         yield _base_name(name), tensor.detach()
+
+
+def policy_weight_metadata(model: Any) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype name, shape) of each pair :func:`policy_weights` yields, in its order,
+    without computing anything (a merged LoRA weight has its base weight's dtype and shape)."""
+    return [
+        (_base_name(name), str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        for name, tensor, _ in _policy_entries(model)
+    ]
 
 
 def _base_name(name: str) -> str:
@@ -256,6 +306,13 @@ def _rng_preserved() -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
+def _barrier() -> None:
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
 def _process_rank() -> int:
     import torch
 
@@ -286,11 +343,18 @@ class VLLMGenerator(Generator):
         self._asleep = False
         self._pending_sync = False
         self._policy: Any = None
+        # mode: server
+        self.server: ServerClient | None = None
+        self.served_model: str | None = None
+        self._transport: WeightTransport | None = None
 
     # -- setup -------------------------------------------------------------------------------------
 
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
         super().setup(model, tokenizer, sampling)
+        if self.params.mode == "server":
+            self._setup_server(model)
+            return
         self._vllm = _import_vllm()
         from grpo_plugins.generators.common import unwrap_model
 
@@ -350,12 +414,15 @@ class VLLMGenerator(Generator):
 
     def on_weights_updated(self, model: Any) -> None:
         """Load the current policy weights into the engine, then drop its prefix cache; while
-        the engine sleeps, at its next wake-up instead."""
-        if self.llm is None or not self.params.sync_weights:
+        the engine sleeps, at its next wake-up instead. In server mode: send them to the server."""
+        if not self.params.sync_weights or (self.llm is None and self.server is None):
             return
         from grpo_plugins.generators.common import unwrap_model
 
         self._policy = unwrap_model(model)
+        if self.server is not None:
+            self._send_weights_to_server()
+            return
         if self._asleep:
             self._pending_sync = True
             return
@@ -405,27 +472,69 @@ class VLLMGenerator(Generator):
         self._asleep = False
         self.stats["wake_seconds"] += time.perf_counter() - start
 
+    # -- server mode -----------------------------------------------------------------------------------
+
+    def _setup_server(self, model: Any) -> None:
+        """Wait for the server, check that it serves the policy's vocabulary, connect the weight
+        transport (main process) and send the policy's weights once."""
+        from grpo_plugins.generators.common import unwrap_model
+
+        p = self.params
+        self.server = ServerClient(p.server_host, p.server_port, p.server_timeout)
+        self.server.wait_until_healthy(p.server_timeout)
+        self.served_model = served_model(self.server, p.server_model)
+        check_tokenizer(self.server, self.served_model, self.tokenizer)
+        self._policy = unwrap_model(model)
+        if p.sync_weights:
+            if _process_rank() == 0:
+                self._transport = TRANSPORTS[p.server_weight_transfer](p)
+                self._transport.connect(self.server)
+            # The server started from some checkpoint, not necessarily the policy's weights.
+            self.on_weights_updated(model)
+
+    def _send_weights_to_server(self) -> None:
+        """The main process sends the policy's weights (tied copies once) and resets the
+        server's prefix cache; every process then waits for it, so none generates with the old
+        weights."""
+        assert self.server is not None
+        start = time.perf_counter()
+        if self._transport is not None:
+            base = self._policy.get_base_model() if hasattr(self._policy, "get_base_model") else self._policy
+            tied = _tied_names(base)
+            metadata = [m for m in policy_weight_metadata(self._policy) if m[0] not in tied]
+            weights = ((n, t) for n, t in policy_weights(self._policy) if n not in tied)
+            self._transport.send(self.server, weights, metadata)
+            reset_prefix_cache(self.server)
+        _barrier()
+        self.stats["syncs"] += 1
+        self.stats["sync_seconds"] += time.perf_counter() - start
+
     # -- generation ----------------------------------------------------------------------------------
 
-    def sampling_params(self, n: int, seed: int | None) -> Any:
-        """vLLM SamplingParams for one request of ``n`` samples; vLLM gives sample j the seed
+    def sampling_fields(self, n: int, seed: int | None) -> dict[str, Any]:
+        """The sampling fields of one request of ``n`` samples, named as vLLM's SamplingParams
+        and its server's CompletionRequest both name them; vLLM gives sample j the seed
         ``seed + j``."""
         s = self.sampling
+        return {
+            "n": n,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k and s.top_k > 0 else 0,  # 0: off (vLLM's neutral value)
+            "min_p": s.min_p or 0.0,
+            "repetition_penalty": s.repetition_penalty,
+            "max_tokens": s.max_completion_length,
+            "logprobs": 0,  # the sampled token's own log-prob only
+            "seed": seed,
+            **s.extra,  # generation_kwargs (the sampling ones were moved to their keys)
+        }
+
+    def sampling_params(self, n: int, seed: int | None) -> Any:
+        """vLLM SamplingParams for one request of ``n`` samples (:meth:`sampling_fields`)."""
         # The trainer reads token ids only; detokenizing costs host time per sampled token (and
-        # per log-prob entry). Stop strings need the text, so they keep it on.
-        detokenize = "stop" in s.extra
-        return self._vllm.SamplingParams(
-            n=n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k and s.top_k > 0 else 0,  # 0: off (vLLM's neutral value)
-            min_p=s.min_p or 0.0,
-            repetition_penalty=s.repetition_penalty,
-            max_tokens=s.max_completion_length,
-            logprobs=0,  # the sampled token's own log-prob only
-            seed=seed,
-            **{"detokenize": detokenize, **s.extra},  # generation_kwargs (the sampling ones were moved to their keys)
-        )
+        # per log-prob entry). Stop strings need the text, so they keep it on. (The server's
+        # CompletionRequest has no such field: it always detokenizes.)
+        return self._vllm.SamplingParams(**{"detokenize": "stop" in self.sampling.extra, **self.sampling_fields(n, seed)})
 
     def seed_base(self, samples: int) -> int | None:
         """The first seed of this call's ``samples`` consecutive sample seeds: drawn from the
@@ -437,21 +546,32 @@ class VLLMGenerator(Generator):
         return rng.randrange(0, SEED_LIMIT - samples)
 
     def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
-        if self.llm is None:
+        if self.llm is None and self.server is None:
             raise RuntimeError("VLLMGenerator.generate called before setup")
         if self._asleep:
             self._wake()
         prompts, n = _group_repeats(prompt_ids)
         base = self.seed_base(len(prompts) * n)
-        # Request i's samples get seeds base + i*n ... base + i*n + n-1: all distinct in a call.
-        params = [self.sampling_params(n, None if base is None else base + i * n) for i in range(len(prompts))]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
-        )
-        self.calls += 1
-        if self.params.enable_sleep_mode:
-            self._sleep()
-        completions = [c for request in outputs for c in request.outputs]
+
+        def seed(i: int) -> int | None:
+            # Request i's samples get seeds base + i*n ... base + i*n + n-1: all distinct in a call.
+            return None if base is None else base + i * n
+
+        if self.server is not None:
+            assert self.served_model is not None
+            completions: list[Any] = generate_on_server(
+                self.server, self.served_model, prompts, lambda i: self.sampling_fields(n, seed(i))
+            )
+            self.calls += 1
+        else:
+            params = [self.sampling_params(n, seed(i)) for i in range(len(prompts))]
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
+            )
+            self.calls += 1
+            if self.params.enable_sleep_mode:
+                self._sleep()
+            completions = [c for request in outputs for c in request.outputs]
         if len(completions) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(completions)} completions for {len(prompt_ids)} prompts")
         return self.to_generation_output(completions)
@@ -507,7 +627,12 @@ class VLLMGenerator(Generator):
 
     def close(self) -> None:
         """Shut the engine down (its GPU memory and vLLM's distributed state are released) and
-        remove the temporary checkpoint; ``generate`` cannot be called afterwards."""
+        remove the temporary checkpoint; ``generate`` cannot be called afterwards. In server
+        mode the weight transport is closed; the server keeps running."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self.server = None
         if self.llm is not None:
             core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):

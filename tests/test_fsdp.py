@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kill_points import install_kill  # noqa: E402
 from test_distributed import PROMPTS, _config, _fixed_generator, char_sum  # noqa: E402
 
 VOLATILE = ("timing/", "tokens_per_second", "peak_memory_gb")
@@ -195,41 +195,6 @@ def test_fsdp_config_refuses_what_it_cannot_shard() -> None:
 # -- the processes --------------------------------------------------------------------------------
 
 
-def _install_kill(spec: str) -> None:
-    import torch
-
-    import grpo_plugins.logprobs
-
-    point, n = spec.split(":")
-    seen = [0]
-
-    def reached() -> None:
-        seen[0] += 1
-        if seen[0] == int(n):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    if point == "micro":
-        original_logps = grpo_plugins.logprobs.completion_logps
-
-        def completion_logps(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():  # the training forward, not the old-log-prob pass
-                reached()
-            return original_logps(*args, **kwargs)
-
-        grpo_plugins.logprobs.completion_logps = completion_logps
-    elif point == "checkpoint":
-        original_save = torch.save
-
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if str(f).endswith("scheduler.pt"):
-                reached()
-            return original_save(obj, f, *args, **kwargs)
-
-        torch.save = save
-    else:
-        raise ValueError(f"unknown kill point {point!r}")
-
-
 def _train(config_path: str, resume: bool) -> None:
     import logging
 
@@ -238,7 +203,7 @@ def _train(config_path: str, resume: bool) -> None:
 
     logging.basicConfig(level=logging.INFO)
     if os.environ.get("FSDP_KILL"):
-        _install_kill(os.environ["FSDP_KILL"])
+        install_kill(os.environ["FSDP_KILL"], checkpoint_file="scheduler.pt")
     get_registry().register("generator", "fixed_test", _fixed_generator())
     config = json.loads(Path(config_path).read_text())
     Engine(config, rewards=[char_sum], dataset=PROMPTS).train(resume=True if resume else None)

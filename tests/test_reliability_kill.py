@@ -129,52 +129,6 @@ def test_killed_three_times_and_resumed_equals_an_uninterrupted_run(tiny_model: 
     assert _stable(ma) == _stable(mb)
 
 
-def _install_kill(spec: str) -> None:
-    """Make this process SIGKILL itself on the n-th time it reaches the named point."""
-    import torch
-
-    import grpo_plugins.logprobs
-    from grpo_plugins.registry import get_registry
-
-    point, n = spec.split(":")
-    seen = [0]
-
-    def reached() -> None:
-        seen[0] += 1
-        if seen[0] == int(n):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    if point == "generate":
-        cls = get_registry().get("generator", "transformers").obj
-        original_generate = cls.generate
-
-        def generate(self: Any, prompt_ids: Any) -> Any:
-            reached()
-            return original_generate(self, prompt_ids)
-
-        cls.generate = generate
-    elif point == "micro":
-        original_logps = grpo_plugins.logprobs.completion_logps
-
-        def completion_logps(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():  # the training forward, not the old-log-prob pass
-                reached()
-            return original_logps(*args, **kwargs)
-
-        grpo_plugins.logprobs.completion_logps = completion_logps
-    elif point == "checkpoint":
-        original_save = torch.save
-
-        def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-            if str(f).endswith("optimizer.pt"):
-                reached()
-            return original_save(obj, f, *args, **kwargs)
-
-        torch.save = save
-    else:
-        raise ValueError(f"unknown kill point {point!r}")
-
-
 if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
     import logging
 
@@ -182,7 +136,10 @@ if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
     from grpo_plugins.engine import Engine
 
     if os.environ.get("RELIABILITY_KILL"):
-        _install_kill(os.environ["RELIABILITY_KILL"])
+        sys.path.insert(0, str(Path(__file__).parent))
+        from kill_points import install_kill
+
+        install_kill(os.environ["RELIABILITY_KILL"])
     config = json.loads(Path(sys.argv[1]).read_text())
     resume = "--resume" in sys.argv[2:]
     Engine(config, rewards=[char_sum], dataset=PROMPTS).train(resume=True if resume else None)

@@ -631,3 +631,33 @@ def test_the_gpu_check_runs_its_parts_against_the_fake(fake_vllm, monkeypatch, t
     assert len(FakeLLM.instances) == 2 and not any(Path(llm.kwargs["model"]).exists() for llm in FakeLLM.instances)
     check_vllm.RESULTS["runs"] = records
     assert "sync" in check_vllm.table() and "lora" in check_vllm.table()
+
+
+@dataclass
+class FlatLogprobs:
+    """vLLM's flat log-prob container (its fields only): per position i, entries
+    ``start_indices[i]:end_indices[i]`` of the flat lists."""
+
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def test_flat_logprobs_are_asked_for_where_vllm_has_them_and_read_without_dicts(
+    fake_vllm, tiny_model: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo_plugins.generators.vllm_backend import sampled_logprobs
+
+    gen, _, _ = _setup(tiny_model)
+    assert "flat_logprobs" not in gen.sampling_params(2, None).kwargs  # an older vLLM: not a field
+    monkeypatch.setattr(SamplingParams, "__struct_fields__", ("n", "logprobs", "flat_logprobs"), raising=False)
+    assert gen.sampling_params(2, None).kwargs["flat_logprobs"] is True
+
+    tokens = [5, 9, 2]
+    # Position 1 also holds a top-k entry before the sampled token: the sampled token is looked up.
+    flat = FlatLogprobs([0, 1, 3], [1, 3, 4], [5, 4, 9, 2], [-0.5, -0.25, -1.75, -3.0])
+    per_position = [{5: -0.5}, {4: -0.25, 9: -1.75}, {2: -3.0}]
+    assert sampled_logprobs(flat, tokens) == sampled_logprobs(per_position, tokens) == [-0.5, -1.75, -3.0]
+    with pytest.raises(KeyError, match="sampled token 7 at position 0"):
+        sampled_logprobs(flat, [7])

@@ -289,6 +289,21 @@ def _sampled_logprob(entry: Any, token: int) -> float:
     return float(value.logprob if hasattr(value, "logprob") else value)
 
 
+def sampled_logprobs(container: Any, tokens: list[int]) -> list[float]:
+    """The log-prob of each sampled token from a completion's ``logprobs``: vLLM's
+    ``FlatLogprobs`` (flat lists with per-position ranges) or a list of per-position dicts."""
+    if hasattr(container, "start_indices"):  # FlatLogprobs: read its lists, build no dicts
+        ids, values, starts, ends = container.token_ids, container.logprobs, container.start_indices, container.end_indices
+        out = []
+        for i, t in enumerate(tokens):
+            j = next((j for j in range(starts[i], ends[i]) if ids[j] == t), None)
+            if j is None:
+                raise KeyError(f"vLLM returned no log-prob for the sampled token {t} at position {i}")
+            out.append(float(values[j]))
+        return out
+    return [_sampled_logprob(container[i], t) for i, t in enumerate(tokens)]
+
+
 @contextmanager
 def _rng_preserved() -> Iterator[None]:
     """Restore the global random, numpy and torch (CPU and CUDA) RNG states on exit."""
@@ -534,7 +549,11 @@ class VLLMGenerator(Generator):
         # The trainer reads token ids only; detokenizing costs host time per sampled token (and
         # per log-prob entry). Stop strings need the text, so they keep it on. (The server's
         # CompletionRequest has no such field: it always detokenizes.)
-        return self._vllm.SamplingParams(**{"detokenize": "stop" in self.sampling.extra, **self.sampling_fields(n, seed)})
+        engine_only = {"detokenize": "stop" in self.sampling.extra}
+        if "flat_logprobs" in getattr(self._vllm.SamplingParams, "__struct_fields__", ()):
+            # Log-probs as a few flat lists per completion instead of one dict per token (newer vLLMs).
+            engine_only["flat_logprobs"] = True
+        return self._vllm.SamplingParams(**{**engine_only, **self.sampling_fields(n, seed)})
 
     def seed_base(self, samples: int) -> int | None:
         """The first seed of this call's ``samples`` consecutive sample seeds: drawn from the
@@ -598,7 +617,7 @@ class VLLMGenerator(Generator):
             if c.logprobs is None:
                 logps.append([0.0] * len(tokens))
             else:
-                logps.append([_sampled_logprob(c.logprobs[i], t) for i, t in enumerate(tokens)])
+                logps.append(sampled_logprobs(c.logprobs, tokens))
         width = max([len(r) for r in rows] + [1])
         ids = torch.full((len(rows), width), pad, dtype=torch.long)  # (B, T)
         mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)

@@ -64,6 +64,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "activation_offload": True, "train_chunk_rows": 16, "logprob_chunk_size": 256,
         "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}},
     },
+    "lean": {  # "all" without the merged decoding copy: the smallest LoRA footprint
+        "activation_offload": True, "train_chunk_rows": 16, "logprob_chunk_size": 256,
+        "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True, "merge_weights": False}},
+    },
     "long": {  # 16 x 8192 at 7B: one row per forward+backward, everything else small
         "activation_offload": True, "train_chunk_rows": 1, "logprob_chunk_size": 512,
         "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}},

@@ -6,12 +6,16 @@ generation, bench/RESULTS.md). This script starts the engine the way the generat
 ``LLM.generate`` for 8 prompts x 8 samples x ``--tokens`` tokens (``ignore_eos``) with one setting
 changed at a time:
 
-* ``ours``: the generator's own ``generate`` (per-request seeds, ``logprobs=0``, conversion to tensors);
-* ``raw``: the same requests straight to ``LLM.generate`` (no conversion);
+* ``ours``: the generator's own ``generate`` (per-request seeds, ``logprobs=0``, no
+  detokenization, flat log-prob lists where vLLM has them, conversion to tensors);
+* ``raw``: seeded requests with ``logprobs=0`` straight to ``LLM.generate`` (vLLM's defaults:
+  detokenized, one log-prob dict per token);
+* ``nodetok``: ``raw`` without detokenization;
+* ``flatlp``: ``nodetok`` with ``flat_logprobs``;
 * ``noseed``: without per-request seeds (vLLM samples seeded requests with one generator each);
 * ``nologprobs``: without the sampled tokens' log-probs;
 * ``bare``: neither seeds nor log-probs;
-* ``flat``: 64 requests of n=1 instead of 8 of n=8 (no seeds, no log-probs);
+* ``n1x64``: 64 requests of n=1 instead of 8 of n=8 (no seeds, no log-probs);
 * ``static``: this project's ``static`` generator on the same model, for reference.
 
     python bench/profile_vllm.py --tokens 256 --out $OUT/profile_vllm.json
@@ -62,23 +66,25 @@ def main() -> None:
     vllm = gen._vllm
     llm = gen.llm
 
-    def params(n: int, seed: int | None, logprobs: int | None) -> Any:
+    def params(n: int, seed: int | None, logprobs: int | None, **extra: Any) -> Any:
         return vllm.SamplingParams(
-            n=n, temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=logprobs, seed=seed
+            n=n, temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=logprobs, seed=seed, **extra
         )
 
-    def raw(n: int, seeded: bool, logprobs: int | None, prompts: list[list[int]]) -> Any:
-        ps = [params(n, 1000 + i * n if seeded else None, logprobs) for i in range(len(prompts))]
+    def raw(n: int, seeded: bool, logprobs: int | None, prompts: list[list[int]], **extra: Any) -> Any:
+        ps = [params(n, 1000 + i * n if seeded else None, logprobs, **extra) for i in range(len(prompts))]
         return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=ps, use_tqdm=False)
 
     flat = [p for p in prompt_ids for _ in range(args.n)]
     variants: dict[str, Any] = {
         "ours": lambda: gen.generate(repeated),
         "raw": raw(args.n, True, 0, prompt_ids),
+        "nodetok": raw(args.n, True, 0, prompt_ids, detokenize=False),
+        "flatlp": raw(args.n, True, 0, prompt_ids, detokenize=False, flat_logprobs=True),
         "noseed": raw(args.n, False, 0, prompt_ids),
         "nologprobs": raw(args.n, True, None, prompt_ids),
         "bare": raw(args.n, False, None, prompt_ids),
-        "flat": raw(1, False, None, flat),
+        "n1x64": raw(1, False, None, flat),
     }
     results: dict[str, Any] = {
         "shape": "qwen2.5-0.5b", "prompts": args.prompts, "n": args.n, "tokens": args.tokens,

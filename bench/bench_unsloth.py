@@ -1,0 +1,115 @@
+"""Unsloth's GRPO (``UnslothGRPOTrainer``, FastLanguageModel + LoRA) on the benchmark's workload,
+for issue 20's same-call memory comparison with ``bench/profile_memory.py``.
+
+NOT YET RUN: written for the next device session (no GPU was left when it was written; Unsloth
+does not import without one). The recipe follows /work/shared/DEVICE.md, "Unsloth on the
+device": Unsloth 2026.10.9 with TRL 1.15.0 and datasets 4.8.5 (``make_unsloth_carry.sh``), the
+random model saved to an absolute path, ``fast_inference=False``, vLLM kept off ``PYTHONPATH``.
+Unsloth turns on ``mask_truncated_completions`` and ``epsilon_high: 0.28`` by itself in a DAPO
+config; compare it with ``profile_memory.py``'s ``mask-truncated`` variant (or read the values
+it prints from the trainer's final arguments).
+
+    HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_DISABLE_STATISTICS=1 \\
+        python bench/bench_unsloth.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \\
+        --out $OUT/unsloth_0.4b.json
+
+Prints and writes: median step seconds after ``--warmup``, the peak of torch's allocator over
+the training steps (``max_memory_allocated``, as profile_memory.py reports), the trainer class
+(must be ``UnslothGRPOTrainer``: Unsloth falls back to TRL's silently when its patch fails), and
+the settings Unsloth ended up with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import unsloth  # noqa: F401  (must come before transformers, peft and trl: it patches them)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench._common as _common  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="smol-vocab-0.4b", help="model shape: " + ", ".join(_common.SHAPES))
+    parser.add_argument("--lora", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--load-in-4bit", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    _common.ACTIVE_SHAPE = args.shape
+
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from unsloth import FastLanguageModel
+
+    from bench._common import build_model, gib, length_reward, load_tokenizer, median, out_dir, prompt_texts, write_json
+
+    folder = tempfile.mkdtemp(prefix="bench_unsloth_model_")  # an absolute path, as Unsloth needs
+    tokenizer = load_tokenizer()
+    model = build_model(seed=0, device="cpu", dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=folder, max_seq_length=1024 + args.tokens, dtype=torch.bfloat16,
+        load_in_4bit=args.load_in_4bit, fast_inference=False, max_lora_rank=args.lora,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model, r=args.lora, lora_alpha=2 * args.lora, random_state=0, use_gradient_checkpointing="unsloth",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+
+    ends: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+            if len(ends) == args.warmup:
+                torch.cuda.reset_peak_memory_stats()  # the peak of the measured steps only
+
+    import datasets
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_unsloth_"), per_device_train_batch_size=args.rows,
+        gradient_accumulation_steps=1, num_generations=8, max_completion_length=args.tokens, temperature=1.0,
+        beta=0.0, loss_type="dapo", learning_rate=1e-6, bf16=True, max_steps=args.warmup + args.steps,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=[length_reward], args=config,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompt_texts(256)}), callbacks=[StepTimer()],
+    )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    used = trainer.args
+    result = {
+        "framework": "unsloth", "unsloth": getattr(unsloth, "__version__", "?"), "trainer": type(trainer).__name__,
+        "shape": args.shape, "lora": args.lora, "tokens": args.tokens, "rows": args.rows, "load_in_4bit": args.load_in_4bit,
+        "step_s": median(steps[args.warmup:]), "step_times": steps,
+        "peak_gib": gib(torch.cuda.max_memory_allocated()),
+        "settings_used": {k: getattr(used, k, None) for k in (
+            "mask_truncated_completions", "epsilon", "epsilon_high", "loss_type", "beta", "gradient_checkpointing")},
+    }
+    print(result, flush=True)
+    write_json(Path(args.out) if args.out else out_dir() / "unsloth.json", result)
+    if result["trainer"] != "UnslothGRPOTrainer":
+        print("WARNING: Unsloth's patch did not apply; these are TRL's numbers", flush=True)
+
+
+if __name__ == "__main__":
+    main()

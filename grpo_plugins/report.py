@@ -185,8 +185,12 @@ def _lines(
 
 
 def _timing(records: Sequence[dict[str, Any]]) -> str | None:
-    """Stacked areas: seconds per step spent generating, scoring, training, and the rest."""
-    parts = [("timing/generate", "generate"), ("timing/reward", "reward"), ("timing/train", "train")]
+    """Stacked areas: seconds per step spent generating, scoring, in the old/reference log-prob
+    passes, training, and the rest."""
+    parts = [
+        ("timing/generate", "generate"), ("timing/reward", "reward"), ("timing/logprobs", "log-probs"),
+        ("timing/train", "train"),
+    ]
     rows = [r for r in records if any(k in r for k, _ in parts) and "step" in r]
     if not rows:
         return None
@@ -197,7 +201,7 @@ def _timing(records: Sequence[dict[str, Any]]) -> str | None:
     if any("timing/step" in r for r in rows):
         other = [max(0.0, float(r.get("timing/step", 0.0)) - sum(s[i] for s in stacks)) for i, r in enumerate(rows)]
         stacks.append(other)
-        labels.append("other (log-probs, overhead)")
+        labels.append("other (overhead)")
     fig, ax = plt.subplots(figsize=(6.4, 3.0))
     ax.stackplot(steps, stacks, labels=labels, alpha=0.85, colors=["C0", "C1", "C2", "0.7"][: len(stacks)])
     ax.set_xlabel("step")

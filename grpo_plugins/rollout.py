@@ -49,6 +49,7 @@ class Rollout:
     reward_seconds: float
     nonfinite: str | None = None  # the component that produced a NaN/inf reward or advantage
     next_prompt: int = 0  # the prompt stream's position after this rollout (the next cycle's first)
+    logprob_seconds: float = 0.0  # the old/reference log-prob passes
 
     def to_state(self) -> dict[str, Any]:
         """The fields as a dict (what a mid-cycle checkpoint saves)."""
@@ -495,7 +496,11 @@ class RolloutMaker:
         return out.sampling_logps.to(self.accelerator.device).float()  # (L, T)
 
     def _add_logps(self, rollout: Rollout, steps: list[Step]) -> None:
-        """Old log-probs when an update falls inside the cycle; reference ones when beta != 0."""
+        """Old log-probs when an update falls inside the cycle; reference ones when beta != 0
+        (their seconds go to ``rollout.logprob_seconds``)."""
+        if self.plan.on_policy and self.config.beta == 0.0:
+            return
+        t0 = time.perf_counter()
         policy = self.policy
         if not self.plan.on_policy:
             rollout.old_logps = self.batch_logps(rollout, policy.unwrapped, steps)
@@ -510,6 +515,7 @@ class RolloutMaker:
             value = getattr(rollout, name)
             if value is not None:
                 setattr(rollout, name, value * (rollout.loss_mask > 0))
+        rollout.logprob_seconds = time.perf_counter() - t0
 
     def batch_logps(self, rollout: Rollout, model: Any, steps: list[Step]) -> Tensor:
         """(L, T) log-probs of the whole share, one micro-batch at a time, without gradients."""

@@ -1,7 +1,7 @@
 """Step timing and logging: what the engine adds to each optimizer step's metrics, and when a
 logging window is written.
 
-Timing counts since the previous optimizer step: generation, reward and rollout seconds (a
+Timing counts since the previous optimizer step: generation, reward, log-prob and rollout seconds (a
 rollout happens once per cycle, so the step after it carries them), training seconds, and the
 tokens processed, for ``timing/*`` and ``tokens_per_second``.
 """
@@ -54,14 +54,15 @@ class StepLog:
         self.window: list[dict[str, float]] = list(window or [])
         self.history: list[dict[str, float]] = []
         self.last_logged: dict[str, float] = {}
-        self._generate = self._reward = self._rollout = self._tokens = 0.0
+        self._generate = self._reward = self._logprobs = self._rollout = self._tokens = 0.0
         self._train = 0.0
         self._step_start = time.perf_counter()
 
     def rollout_done(self, rollout: Any, seconds: float) -> None:
-        """Count a rollout (its generation and reward seconds and tokens) towards the next step."""
+        """Count a rollout (its generation, reward and log-prob seconds and tokens) towards the next step."""
         self._generate += rollout.generate_seconds
         self._reward += rollout.reward_seconds
+        self._logprobs += rollout.logprob_seconds
         self._rollout += seconds  # also old/ref log-probs
         self._tokens += float(rollout.num_tokens)
 
@@ -86,6 +87,7 @@ class StepLog:
             {
                 "timing/generate": self._generate,
                 "timing/reward": self._reward,
+                "timing/logprobs": self._logprobs,
                 "timing/train": self._train,
                 "timing/step": step_seconds,
                 "tokens_per_second": self._tokens / max(step_seconds, 1e-9),
@@ -93,7 +95,7 @@ class StepLog:
                 "peak_memory_gb": peak_memory_gb(self.device),
             }
         )
-        self._generate = self._reward = self._rollout = self._tokens = 0.0
+        self._generate = self._reward = self._logprobs = self._rollout = self._tokens = 0.0
         self._step_start, self._train = time.perf_counter(), 0.0
         self.window.append(record)
         self.writer.progress(step, record)

@@ -113,6 +113,23 @@ def test_each_loss_type_and_is_level_trains(tiny_model: dict, tmp_path: Path, se
     assert "rewards/char_sum/mean" in records[0]
 
 
+@pytest.mark.parametrize(("steps_per_generation", "beta", "passes"), [(2, 0.0, True), (1, 0.0, False), (1, 0.1, True)])
+def test_the_log_prob_passes_are_timed_on_the_step_after_their_rollout(
+    tiny_model: dict, tmp_path: Path, steps_per_generation: int, beta: float, passes: bool
+) -> None:
+    # Old log-probs run when a cycle has an off-policy step, reference ones when beta != 0; the
+    # first step after a rollout carries their seconds (like generation's), the others carry 0.
+    model, tok = _model(tiny_model)
+    cfg = _config(tiny_model, tmp_path, steps_per_generation=steps_per_generation, beta=beta)
+    Engine(cfg, model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS).train()
+    records = read_metrics(tmp_path / "out")
+    seconds = [r["timing/logprobs"] for r in records]
+    generated = [r["timing/generate"] > 0 for r in records]
+    assert generated == ([True, False] if steps_per_generation == 2 else [True, True])
+    assert all((s > 0) == (passes and g) for s, g in zip(seconds, generated)), seconds
+    assert all(r["timing/logprobs"] + r["timing/generate"] + r["timing/train"] <= r["timing/step"] for r in records)
+
+
 def test_an_earlier_accelerator_with_other_settings_does_not_block_a_run(tiny_model: dict, tmp_path: Path) -> None:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState

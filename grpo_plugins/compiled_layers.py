@@ -111,6 +111,11 @@ def compiled_layers_for(
     on_cuda = device.type == "cuda"
     if not (on_cuda and not quantized if compile_layers is None else compile_layers):
         return None
+    if on_cuda:
+        logger.info(
+            "compile_layers: the decoder layers compile during the first training steps (up to about two "
+            "minutes on a cold cache, once per machine and model shape); set compile_layers: false for short runs"
+        )
     # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
     # same graphs without needing a C++ compiler (what the CPU tests exercise).
     return CompiledLayers.for_model(model, backend="inductor" if on_cuda else "aot_eager")

@@ -1,8 +1,7 @@
 """Unsloth's GRPO (``UnslothGRPOTrainer``, FastLanguageModel + LoRA) on the benchmark's workload,
 for issue 20's same-call memory comparison with ``bench/profile_memory.py``.
 
-NOT YET RUN: written for the next device session (no GPU was left when it was written; Unsloth
-does not import without one). The recipe follows /work/shared/DEVICE.md, "Unsloth on the
+The recipe follows /work/shared/DEVICE.md, "Unsloth on the
 device": Unsloth 2026.10.9 with TRL 1.15.0 and datasets 4.8.5 (``make_unsloth_carry.sh``), the
 random model saved to an absolute path, ``fast_inference=False``, vLLM kept off ``PYTHONPATH``.
 Unsloth turns on ``mask_truncated_completions`` and ``epsilon_high: 0.28`` by itself in a DAPO
@@ -12,6 +11,13 @@ it prints from the trainer's final arguments).
     HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_DISABLE_STATISTICS=1 \\
         python bench/bench_unsloth.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \\
         --out $OUT/unsloth_0.4b.json
+
+For long completions (7B shape, 16 x 8192) train one row per forward+backward, as this project's
+``train_chunk_rows: 1`` does, and save the random model once for the LoRA and the QLoRA run::
+
+    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --save-only
+    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --tokens 8192 --rows 16 \\
+        --micro-rows 1 --steps 1 --warmup 0 [--load-in-4bit] --out $OUT/unsloth_7b.json
 
 Prints and writes: median step seconds after ``--warmup``, the peak of torch's allocator over
 the training steps (``max_memory_allocated``, as profile_memory.py reports), the trainer class
@@ -43,7 +49,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-rows", type=int, default=0, help="rows per forward+backward (default: --rows, one micro-batch)")
     parser.add_argument("--load-in-4bit", action="store_true")
+    parser.add_argument("--model-dir", default=None, help="an absolute folder for the random model: reused when it holds one")
+    parser.add_argument("--save-only", action="store_true", help="build and save the model to --model-dir, then stop")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     _common.ACTIVE_SHAPE = args.shape
@@ -55,12 +64,18 @@ def main() -> None:
 
     from bench._common import build_model, gib, length_reward, load_tokenizer, median, out_dir, prompt_texts, write_json
 
-    folder = tempfile.mkdtemp(prefix="bench_unsloth_model_")  # an absolute path, as Unsloth needs
-    tokenizer = load_tokenizer()
-    model = build_model(seed=0, device="cpu", dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    del model
+    # An absolute path, as Unsloth needs; a 7B model is built and saved once for several runs.
+    folder = str(Path(args.model_dir).resolve()) if args.model_dir else tempfile.mkdtemp(prefix="bench_unsloth_model_")
+    if not (Path(folder) / "config.json").exists():
+        tokenizer = load_tokenizer()
+        model = build_model(seed=0, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del model
+    if args.save_only:
+        print(f"saved the random model to {folder}", flush=True)
+        return
+    micro_rows = args.micro_rows or args.rows
 
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=folder, max_seq_length=1024 + args.tokens, dtype=torch.bfloat16,
@@ -83,8 +98,8 @@ def main() -> None:
     import datasets
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_unsloth_"), per_device_train_batch_size=args.rows,
-        gradient_accumulation_steps=1, num_generations=8, max_completion_length=args.tokens, temperature=1.0,
+        output_dir=tempfile.mkdtemp(prefix="bench_unsloth_"), per_device_train_batch_size=micro_rows,
+        gradient_accumulation_steps=args.rows // micro_rows, num_generations=8, max_completion_length=args.tokens, temperature=1.0,
         beta=0.0, loss_type="dapo", learning_rate=1e-6, bf16=True, max_steps=args.warmup + args.steps,
         logging_steps=1, save_strategy="no", report_to="none", seed=0,
     )
@@ -99,8 +114,9 @@ def main() -> None:
     used = trainer.args
     result = {
         "framework": "unsloth", "unsloth": getattr(unsloth, "__version__", "?"), "trainer": type(trainer).__name__,
-        "shape": args.shape, "lora": args.lora, "tokens": args.tokens, "rows": args.rows, "load_in_4bit": args.load_in_4bit,
-        "step_s": median(steps[args.warmup:]), "step_times": steps,
+        "shape": args.shape, "lora": args.lora, "tokens": args.tokens, "rows": args.rows, "micro_rows": micro_rows,
+        "load_in_4bit": args.load_in_4bit,
+        "step_s": median(steps[args.warmup:]) if len(steps) > args.warmup else None, "step_times": steps,
         "peak_gib": gib(torch.cuda.max_memory_allocated()),
         "settings_used": {k: getattr(used, k, None) for k in (
             "mask_truncated_completions", "epsilon", "epsilon_high", "loss_type", "beta", "gradient_checkpointing")},

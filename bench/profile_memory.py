@@ -38,6 +38,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -53,7 +54,8 @@ from bench._common import gib, length_reward, median, prompt_texts, write_json  
 
 #: Named config overrides (the Engine's settings), applied on top of the workload's config.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # the project's defaults (on a GPU: compiled layers for LoRA too)
+    "eager": {"compile_layers": False},
     "offload": {"activation_offload": True},
     "chunk16": {"train_chunk_rows": 16},
     "chunk1": {"train_chunk_rows": 1},
@@ -71,6 +73,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "long": {  # 16 x 8192 at 7B: one row per forward+backward, everything else small
         "activation_offload": True, "train_chunk_rows": 1, "logprob_chunk_size": 512,
         "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}},
+    },
+    "lean-eager": {  # "lean" with eager layers (what "lean" was before compiled LoRA became the default)
+        "compile_layers": False, "activation_offload": True, "train_chunk_rows": 16, "logprob_chunk_size": 256,
+        "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True, "merge_weights": False}},
+    },
+    "lean-nooffload": {  # "lean" without activation offload: smaller row chunks instead
+        "train_chunk_rows": 8, "logprob_chunk_size": 256,
+        "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True, "merge_weights": False}},
+    },
+    "long-lean": {  # "long" without the merged decoding copy (a full copy of the projection weights at 7B)
+        "activation_offload": True, "train_chunk_rows": 1, "logprob_chunk_size": 512,
+        "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True, "merge_weights": False}},
     },
     "qlora": {"load_in_4bit": True},
     "qlora-long": {
@@ -132,11 +146,12 @@ class Recorder:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             out = fn(*args, **kwargs)
             host = time.perf_counter() - t0
             _sync()
             wall = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 self._write_profile(profiler, phase)
@@ -147,6 +162,10 @@ class Recorder:
                     "step": self.step + 1,
                     "wall_s": wall,
                     "host_s": host,
+                    # CPU seconds of this process (all its threads): host_s well above cpu_s means the
+                    # process waited (preempted, or blocked in the driver), not that it computed.
+                    "cpu_s": cpu,
+                    "load_1min": os.getloadavg()[0],
                     "allocated_before_gib": gib(start["allocated"]),
                     "allocated_peak_gib": gib(torch.cuda.max_memory_allocated()) if CUDA else 0.0,
                     "allocated_after_gib": gib(end["allocated"]),
@@ -280,7 +299,7 @@ def config_for(args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str,
         "loss_type": "dapo",
         "learning_rate": 1e-6,
         "gradient_checkpointing": True,
-        "compile_layers": False if args.lora else None,
+        "compile_layers": None,  # the project's default; the "eager" variants set False
         "max_steps": args.warmup + args.steps,
         "logging_steps": 1,
         "save_steps": 10**6,
@@ -399,6 +418,8 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
                 "step_s": seconds,
                 **{f"{p}_s": sum(c["wall_s"] for c in calls if c["phase"] == p) for p in ("generate", "train", "optimizer")},
                 "train_host_s": sum(c["host_s"] for c in calls if c["phase"] == "train"),
+                "train_cpu_s": sum(c["cpu_s"] for c in calls if c["phase"] == "train"),
+                "load_1min": max((c["load_1min"] for c in calls), default=0.0),
                 "alloc_retries": sum(c["alloc_retries"] for c in calls),
                 "device_allocs": sum(c["device_allocs"] for c in calls),
                 "peak_gib": max((c["allocated_peak_gib"] for c in calls), default=0.0),
@@ -451,6 +472,9 @@ def table(r: dict[str, Any]) -> str:
         )
     drift = ", ".join(f"{s['train_s']:.2f}" for s in r["per_step"])
     lines.append(f"   train pass per step (s): {drift}")
+    cpu = ", ".join(f"{s['train_cpu_s']:.2f}" for s in r["per_step"])
+    load = ", ".join(f"{s['load_1min']:.1f}" for s in r["per_step"])
+    lines.append(f"   its CPU time (s): {cpu}; load average: {load}")
     return "\n".join(lines)
 
 

@@ -266,6 +266,30 @@ def test_release_cache_frees_the_graphs_and_gives_the_same_tokens(llama: tuple) 
     assert len(kept._graphs) == 1 and len(released._graphs) == 0
 
 
+def test_release_cache_hands_freed_blocks_back_on_the_model_device(llama: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With release_cache, every generate returns the freed KV cache's blocks (empty_cache on
+    CUDA) so training does not reserve its own on top; without it, nothing is released."""
+    import grpo_plugins.generators.static_decode as static_decode
+
+    real = static_decode.return_freed_memory
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    real(torch.device("cpu"))
+    real(torch.device("cuda", 0))
+    assert emptied == [1]  # only for a CUDA device
+
+    model, _ = llama
+    seen: list[torch.device] = []
+    monkeypatch.setattr(static_decode, "return_freed_memory", seen.append)
+    greedy = SamplingSettings(max_completion_length=4, top_k=1)
+    StaticDecoder(model, greedy, [2], 0).generate(PROMPTS)
+    assert seen == []
+    released = StaticDecoder(model, greedy, [2], 0, release_cache=True)
+    released.generate(PROMPTS)
+    released.generate(PROMPTS)
+    assert seen == [torch.device("cpu")] * 2
+
+
 def test_static_params_defaults_and_typos() -> None:
     from grpo_plugins.registry import ComponentParamsError
 

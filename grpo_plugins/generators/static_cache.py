@@ -62,7 +62,7 @@ class StaticCacheGenerator(Generator):
         max_graphs: int = Field(2, ge=1, description="Decode graphs (and KV caches) kept at once.")
         release_cache: bool = Field(
             False,
-            description="Free the KV cache and graph after each generation (less memory while training; re-captures each time).",
+            description="Free the KV cache and graph after each generation and hand their memory back to the driver (less memory while training; re-captures each time).",
         )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
         merge_weights: bool | None = Field(

@@ -495,6 +495,18 @@ class _Graph:
     replay: Callable[[], None]
 
 
+def return_freed_memory(device: torch.device) -> None:
+    """Hand the allocator's unused blocks back to the driver (CUDA only).
+
+    After ``release_cache`` frees the KV cache and graph pool, their blocks would otherwise stay
+    reserved by torch's caching allocator, and the training pass, whose tensors have other sizes,
+    reserves new blocks on top of them: at 7B x 16 x 8192 the training pass reserved 25.7 GiB for
+    18.9 GiB allocated. Generation has synchronised already, so this costs little.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class StaticDecoder:
     """Generates with a static KV cache; keeps one decode graph per (batch, prompt) bucket.
 
@@ -727,6 +739,7 @@ class StaticDecoder:
         if self.release_cache:
             self.clear()
             self._merged = None
+            return_freed_memory(device)
         tokens, mask, truncated, _ = cut_at_eos(tokens, is_eos, self.pad_id)  # (n, T) (n, T) (n,)
         logps = logps[:, : mask.shape[1]].masked_fill(mask == 0, 0.0)
         return tokens, mask, truncated, logps

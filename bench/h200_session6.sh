@@ -3,6 +3,9 @@
 # comparison with Unsloth. One background driver (phase run) does everything in order, writing to
 # /root/bg; the calls only start it and wait for it, so no single call hits the 10-minute limit.
 #   A (carry .whl .uwhl .benchdata): install, start the driver, wait     W (no carry): wait, collect
+#   B (carry .whl .uwhl .benchdata, a fresh machine): the 7B comparisons alone (driver phase run7b)
+# A call that runs past its limit kills every process it started, background ones included (seen:
+# the first driver died with call A at 600 s). Keep WAIT well under the call's timeout_s.
 # Our code runs from the working tree (PYTHONPATH=$PWD first; the wheel in /tmp/site supplies the
 # entry points). Unsloth runs with its own site (/tmp/usite: Unsloth 2026.10.9, TRL 1.15, datasets
 # 4.8.5), never with vLLM on the path.
@@ -24,7 +27,15 @@ A)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/usite .uwhl/*.whl
   cp -r $PWD /root/tree  # the driver outlives this call's copy of the tree
   (cd /root/tree && nohup bash bench/h200_session6.sh run > $BG/driver.log 2>&1 &)
-  wait_driver ${WAIT:-540}
+  wait_driver ${WAIT:-480}
+  ;;
+B)
+  mkdir -p $BG && rm -rf /root/benchdata && cp -r .benchdata /root/benchdata
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/usite .uwhl/*.whl
+  cp -r $PWD /root/tree
+  (cd /root/tree && nohup bash bench/h200_session6.sh run7b > $BG/driver.log 2>&1 &)
+  wait_driver ${WAIT:-480}
   ;;
 W)
   wait_driver ${WAIT:-570}
@@ -43,7 +54,19 @@ run)
     --out $BG/unsloth_0.4b.json > $BG/unsloth_0.4b.log 2>&1
   tail -n 5 $BG/unsloth_0.4b.log
   wait  # the saved 7B model
+  bash bench/h200_session6.sh run7b-only
+  ;;
+run7b)
+  (OMP_NUM_THREADS=4 $UNS python3 bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --save-only \
+     > $BG/save7b.log 2>&1)
+  bash bench/h200_session6.sh run7b-only
+  ;;
+run7b-only)
   echo "=== 7B 16x8192: five processes at once (each one's peak memory is its own; seconds are shared) $(date +%T)"
+  # Every process's device memory every 10 s: Unsloth reports its peak only at the end.
+  (while [ ! -f $BG/driver.done ]; do
+     echo "$(date +%T) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"; sleep 10
+   done > $BG/nvidia_smi_apps.log 2>&1 &)
   for v in long long-lean qlora-long; do
     $OURS timeout 1500 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
       --warmup 0 --variants $v --out $BG/mem7b_$v.json > $BG/mem7b_$v.log 2>&1 &

@@ -15,8 +15,9 @@ before the phase:
   + backward, activations, log-prob chunks, gradients), ``optimizer`` (clip, AdamW, zero_grad);
 - allocated before / peak / after, reserved before / peak / after, the fragmentation at the end
   (reserved - allocated), allocator events during the phase (cudaMalloc / cudaFree calls,
-  alloc retries: a retry frees the cache and stalls the step), wall time (synchronised) and
-  host time (until the phase returned).
+  alloc retries: a retry frees the cache and stalls the step), wall time (synchronised), host time
+  (until the phase returned), the process's CPU time (user + system, and system alone) and the
+  load average: a host-bound phase has CPU time equal to its wall time.
 
 Plus the steady parts, in bytes, counted from the tensors themselves: frozen base weights
 (16-bit, or quantised storage and quantisation state), trainable weights, gradients at the end
@@ -146,12 +147,12 @@ class Recorder:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, times0 = time.perf_counter(), os.times()
             out = fn(*args, **kwargs)
             host = time.perf_counter() - t0
             _sync()
             wall = time.perf_counter() - t0
-            cpu = time.process_time() - cpu0
+            times1 = os.times()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 self._write_profile(profiler, phase)
@@ -164,7 +165,10 @@ class Recorder:
                     "host_s": host,
                     # CPU seconds of this process (all its threads): host_s well above cpu_s means the
                     # process waited (preempted, or blocked in the driver), not that it computed.
-                    "cpu_s": cpu,
+                    "cpu_s": (times1.user - times0.user) + (times1.system - times0.system),
+                    # In the kernel (page faults, pinning, driver calls): a slow pass with high
+                    # system time points at the OS, one with high user time at Python/launches.
+                    "cpu_system_s": times1.system - times0.system,
                     "load_1min": os.getloadavg()[0],
                     "allocated_before_gib": gib(start["allocated"]),
                     "allocated_peak_gib": gib(torch.cuda.max_memory_allocated()) if CUDA else 0.0,
@@ -419,6 +423,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
                 **{f"{p}_s": sum(c["wall_s"] for c in calls if c["phase"] == p) for p in ("generate", "train", "optimizer")},
                 "train_host_s": sum(c["host_s"] for c in calls if c["phase"] == "train"),
                 "train_cpu_s": sum(c["cpu_s"] for c in calls if c["phase"] == "train"),
+                "train_cpu_system_s": sum(c["cpu_system_s"] for c in calls if c["phase"] == "train"),
                 "load_1min": max((c["load_1min"] for c in calls), default=0.0),
                 "alloc_retries": sum(c["alloc_retries"] for c in calls),
                 "device_allocs": sum(c["device_allocs"] for c in calls),
@@ -472,9 +477,9 @@ def table(r: dict[str, Any]) -> str:
         )
     drift = ", ".join(f"{s['train_s']:.2f}" for s in r["per_step"])
     lines.append(f"   train pass per step (s): {drift}")
-    cpu = ", ".join(f"{s['train_cpu_s']:.2f}" for s in r["per_step"])
+    cpu = ", ".join(f"{s['train_cpu_s']:.2f} ({s['train_cpu_system_s']:.2f})" for s in r["per_step"])
     load = ", ".join(f"{s['load_1min']:.1f}" for s in r["per_step"])
-    lines.append(f"   its CPU time (s): {cpu}; load average: {load}")
+    lines.append(f"   its CPU time (s; in the kernel): {cpu}; load average: {load}")
     return "\n".join(lines)
 
 

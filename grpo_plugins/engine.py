@@ -210,7 +210,7 @@ class Engine:
         self.environment = build_environment(cfg, self.registry, self.generator, self.tokenizer, self._given_environment)
         self._load_data()
         self.rewards = reward_runner(cfg, self.registry, self._given_rewards, self.task)
-        self.guard = RunGuard(cfg, self.rewards.names, self.registry)
+        self.guard = RunGuard(cfg, self.rewards.names, self.registry, self.generator.memory_advice)
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)
         compiled = self.compiled_layers
         policy = Policy(

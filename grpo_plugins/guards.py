@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,12 +101,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def out_of_memory_advice(config: GRPOConfig, phase: str) -> list[str]:
-    """The settings that lower peak memory in ``phase``, each with its current value."""
+def out_of_memory_advice(config: GRPOConfig, phase: str, generator_advice: Sequence[str] = ()) -> list[str]:
+    """The settings that lower peak memory in ``phase``, each with its current value;
+    ``generator_advice`` (the generator's :meth:`~grpo_plugins.kinds.Generator.memory_advice`)
+    comes after the run's own settings."""
     c = config
     batch = f"per_device_train_batch_size ({c.per_device_train_batch_size}; raise gradient_accumulation_steps to keep the batch)"
     length = f"max_completion_length ({c.max_completion_length})"
     chunk = f"logprob_chunk_size ({c.logprob_chunk_size})"
+    four_bit = (
+        ["load_in_4bit (false; QLoRA: the frozen base in 4 bits, about a quarter of its 16-bit size)"]
+        if c.lora is not None and c.quantization_bits is None
+        else []
+    )
     if phase == "generation":
         spg = c.steps_per_generation or c.gradient_accumulation_steps
         return [
@@ -114,16 +121,21 @@ def out_of_memory_advice(config: GRPOConfig, phase: str) -> list[str]:
             f"per_device_train_batch_size = {spg * c.per_device_train_batch_size} completions at once)",
             length,
             f"per_device_train_batch_size ({c.per_device_train_batch_size})",
+            *generator_advice,
+            *four_bit,
         ]
     rows = c.train_chunk_rows
     suggestion = max(1, (rows or c.per_device_train_batch_size) // 4)
     chunk_rows = f"train_chunk_rows ({rows}; e.g. {suggestion}: that many rows per forward+backward, same results)"
-    advice = [chunk_rows, batch, length, chunk] if suggestion < c.per_device_train_batch_size else [batch, length, chunk]
+    advice = [chunk_rows] if suggestion < c.per_device_train_batch_size else []
+    if phase == "training" and c.gradient_checkpointing and not c.activation_offload:
+        advice.append("activation_offload (false; true keeps the checkpointed layers' inputs in CPU memory)")
+    advice += [batch, length, chunk]
     if phase == "training" and not c.gradient_checkpointing:
         advice.append("gradient_checkpointing (set it to true)")
     if phase == "training" and c.lora is None:
         advice.append("lora (train an adapter instead of all weights)")
-    return advice
+    return [*advice, *generator_advice, *four_bit]
 
 
 def raising_component(exc: BaseException, registry: Registry) -> Component | None:
@@ -163,9 +175,16 @@ class RunGuard:
         reward_names: one name per reward column.
     """
 
-    def __init__(self, config: GRPOConfig, reward_names: Sequence[str], registry: Registry | None = None) -> None:
+    def __init__(
+        self,
+        config: GRPOConfig,
+        reward_names: Sequence[str],
+        registry: Registry | None = None,
+        generator_advice: Callable[[str], list[str]] | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry
+        self.generator_advice = generator_advice
         self.reward_names = list(reward_names)
         self.last_checkpoint: Path | None = None
         self.skipped: list[tuple[int, str]] = []  # (step, component) of each skipped step
@@ -207,7 +226,8 @@ class RunGuard:
 
     def _oom_error(self, phase: str, step: int, exc: BaseException) -> DeviceOutOfMemoryError:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase))
+        extra = self.generator_advice(phase) if self.generator_advice is not None else []
+        knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase, extra))
         if self.last_checkpoint is not None:
             saved = (
                 f"The last complete checkpoint, {self.last_checkpoint}, is intact: after changing the "

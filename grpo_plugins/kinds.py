@@ -284,6 +284,12 @@ class Generator:
     def on_weights_updated(self, model: Any) -> None:
         """Called after each optimizer step."""
 
+    def memory_advice(self, phase: str) -> list[str]:
+        """This backend's settings that would lower peak device memory in ``phase``
+        (``generation``, ``log-probs`` or ``training``), each naming its config key and current
+        value; listed when the run runs out of device memory. Default: none."""
+        return []
+
     @contextmanager
     def sampling_override(self, sampling: SamplingSettings) -> Iterator[None]:
         """Generate with ``sampling`` instead of the run's settings inside the block (evaluation's

@@ -427,3 +427,20 @@ def test_greedy_override_of_a_lora_model_shares_the_merged_weights(tiny_qwen2: d
         assert torch.equal(generator.generate(PROMPTS).completion_ids, reference.generate(PROMPTS).completion_ids)
     (other,) = generator._other_decoders.values()
     assert other.merge_weights and other._merged is generator._decoder._merged
+
+
+def test_memory_advice_names_the_static_settings_that_hold_memory(tiny_qwen2: dict) -> None:
+    """What an out-of-memory error lists from the generator: the merged LoRA copy while it is
+    kept, the KV cache outside generation while it is kept; nothing once both are off."""
+    model = _lora_qwen2(tiny_qwen2)
+    _, tokenizer = _load(tiny_qwen2)
+    sampling = SamplingSettings(max_completion_length=4)
+    default = StaticCacheGenerator()
+    default.setup(model, tokenizer, sampling)
+    assert [a.split(" ")[0] for a in default.memory_advice("generation")] == ["generator.params.merge_weights"]
+    assert [a.split(" ")[0] for a in default.memory_advice("training")] == [
+        "generator.params.merge_weights", "generator.params.release_cache",
+    ]
+    lean = StaticCacheGenerator(StaticCacheGenerator.Params(release_cache=True, merge_weights=False))
+    lean.setup(model, tokenizer, sampling)
+    assert lean.memory_advice("generation") == [] and lean.memory_advice("training") == []

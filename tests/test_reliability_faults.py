@@ -379,3 +379,24 @@ def test_float16_logs_the_loss_scale_and_the_scalers_skipped_steps(
     assert [r["loss_scale"] for r in records] == [2.0**39, 2.0**38, 2.0**37]
     assert [r["scaler_skipped"] for r in records] == [1.0, 1.0, 1.0]
     assert all(torch.equal(before[k], v.detach().float().cpu()) for k, v in model.named_parameters())
+
+
+def test_oom_advice_adds_offload_qlora_and_the_generators_settings(tiny_model: dict, tmp_path: Path) -> None:
+    from grpo_plugins.config import GRPOConfig
+    from grpo_plugins.guards import out_of_memory_advice
+
+    lora = GRPOConfig(**_config(tiny_model, tmp_path, gradient_checkpointing=True, lora={"r": 4}))
+    keys = [a.split(" ")[0] for a in out_of_memory_advice(lora, "training", ["generator.params.x (1)"])]
+    assert keys[:2] == ["train_chunk_rows", "activation_offload"]
+    assert keys[-2:] == ["generator.params.x", "load_in_4bit"]
+    offloaded = GRPOConfig(**_config(tiny_model, tmp_path, gradient_checkpointing=True, activation_offload=True))
+    keys = [a.split(" ")[0] for a in out_of_memory_advice(offloaded, "training")]
+    assert "activation_offload" not in keys and "load_in_4bit" not in keys  # already on; full fine-tuning
+    keys = [a.split(" ")[0] for a in out_of_memory_advice(lora, "generation", ["generator.params.x (1)"])]
+    assert keys == ["steps_per_generation", "max_completion_length", "per_device_train_batch_size",
+                    "generator.params.x", "load_in_4bit"]
+
+    guard = RunGuard(lora, ["r"], generator_advice=lambda phase: [f"generator.params.during_{phase} (1)"])
+    with pytest.raises(DeviceOutOfMemoryError, match="generator.params.during_log-probs"):
+        with guard.phase("log-probs", 3):
+            raise _oom()

@@ -661,3 +661,18 @@ def test_flat_logprobs_are_asked_for_where_vllm_has_them_and_read_without_dicts(
     assert sampled_logprobs(flat, tokens) == sampled_logprobs(per_position, tokens) == [-0.5, -1.75, -3.0]
     with pytest.raises(KeyError, match="sampled token 7 at position 0"):
         sampled_logprobs(flat, [7])
+
+
+def test_memory_advice_names_the_engines_share_and_sleep_mode() -> None:
+    """An out-of-memory error lists the colocated engine's memory share, and sleep mode outside
+    generation while it is off; a server's memory is its own, so it lists nothing."""
+    def keys(gen: VLLMGenerator, phase: str) -> list[str]:
+        return [a.split(" ")[0] for a in gen.memory_advice(phase)]
+
+    colocated = VLLMGenerator(VLLMGeneratorParams(gpu_memory_utilization=0.4))
+    assert keys(colocated, "generation") == ["generator.params.gpu_memory_utilization"]
+    assert "(0.4;" in colocated.memory_advice("generation")[0]
+    assert keys(colocated, "training") == ["generator.params.gpu_memory_utilization", "generator.params.enable_sleep_mode"]
+    sleeping = VLLMGenerator(VLLMGeneratorParams(enable_sleep_mode=True))
+    assert keys(sleeping, "training") == ["generator.params.gpu_memory_utilization"]
+    assert VLLMGenerator(VLLMGeneratorParams(mode="server")).memory_advice("training") == []

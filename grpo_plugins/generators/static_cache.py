@@ -187,6 +187,22 @@ class StaticCacheGenerator(Generator):
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = int(state.get("calls", 0))
 
+    def memory_advice(self, phase: str) -> list[str]:
+        if self._decoder is None:
+            return self._fallback.memory_advice(phase) if self._fallback is not None else []
+        advice = []
+        if self._decoder.merge_weights:
+            advice.append(
+                "generator.params.merge_weights (on: LoRA decoding keeps a merged copy of the projection "
+                "weights; false drops it, decoding about 2x slower)"
+            )
+        if phase != "generation" and not self.params.release_cache:
+            advice.append(
+                "generator.params.release_cache (false; true frees the KV cache and decode graphs before "
+                "the log-prob and training passes)"
+            )
+        return advice
+
     def on_weights_updated(self, model: Any) -> None:
         # The captured graph reads the parameters in place, so in-place optimizer updates need
         # nothing; a model whose parameters were re-allocated is detected in generate().

@@ -427,6 +427,15 @@ class VLLMGenerator(Generator):
 
     # -- weight sync -------------------------------------------------------------------------------
 
+    def memory_advice(self, phase: str) -> list[str]:
+        if self.params.mode == "server":
+            return []  # the server's memory is its own
+        p = self.params
+        advice = [f"generator.params.gpu_memory_utilization ({p.gpu_memory_utilization}; the colocated engine's share of the GPU)"]
+        if phase != "generation" and not p.enable_sleep_mode:
+            advice.append("generator.params.enable_sleep_mode (false; true frees the engine's KV cache and weights during training)")
+        return advice
+
     def on_weights_updated(self, model: Any) -> None:
         """Load the current policy weights into the engine, then drop its prefix cache; while
         the engine sleeps, at its next wake-up instead. In server mode: send them to the server."""

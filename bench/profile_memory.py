@@ -17,7 +17,8 @@ before the phase:
   (reserved - allocated), allocator events during the phase (cudaMalloc / cudaFree calls,
   alloc retries: a retry frees the cache and stalls the step), wall time (synchronised), host time
   (until the phase returned), the process's CPU time (user + system, and system alone) and the
-  load average: a host-bound phase has CPU time equal to its wall time.
+  load average: a host-bound phase has CPU time equal to its wall time (so may one that spin-waits
+  for the GPU).
 
 Plus the steady parts, in bytes, counted from the tensors themselves: frozen base weights
 (16-bit, or quantised storage and quantisation state), trainable weights, gradients at the end
@@ -164,7 +165,8 @@ class Recorder:
                     "wall_s": wall,
                     "host_s": host,
                     # CPU seconds of this process (all its threads): host_s well above cpu_s means the
-                    # process waited (preempted, or blocked in the driver), not that it computed.
+                    # process was not running (preempted, or asleep in a wait). The converse proves
+                    # less: a CUDA synchronisation spin-waits by default, so GPU waits count as CPU.
                     "cpu_s": (times1.user - times0.user) + (times1.system - times0.system),
                     # In the kernel (page faults, pinning, driver calls): a slow pass with high
                     # system time points at the OS, one with high user time at Python/launches.

@@ -226,7 +226,12 @@ class RunGuard:
 
     def _oom_error(self, phase: str, step: int, exc: BaseException) -> DeviceOutOfMemoryError:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        extra = self.generator_advice(phase) if self.generator_advice is not None else []
+        extra: list[str] = []
+        if self.generator_advice is not None:
+            try:
+                extra = list(self.generator_advice(phase))
+            except Exception:  # a plugin's advice must not hide the out-of-memory error itself
+                logger.debug("the generator's memory_advice failed", exc_info=True)
         knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase, extra))
         if self.last_checkpoint is not None:
             saved = (

@@ -400,3 +400,10 @@ def test_oom_advice_adds_offload_qlora_and_the_generators_settings(tiny_model: d
     with pytest.raises(DeviceOutOfMemoryError, match="generator.params.during_log-probs"):
         with guard.phase("log-probs", 3):
             raise _oom()
+
+    def broken(phase: str) -> list[str]:
+        raise RuntimeError("a plugin bug")
+
+    with pytest.raises(DeviceOutOfMemoryError, match="activation_offload"):  # the run's own advice still comes
+        with RunGuard(lora, ["r"], generator_advice=broken).phase("training", 3):
+            raise _oom()

@@ -6,6 +6,9 @@
 #   B (carry .whl .uwhl .benchdata, a fresh machine): the 7B comparisons alone (driver phase run7b)
 # A call that runs past its limit kills every process it started, background ones included (seen:
 # the first driver died with call A at 600 s). Keep WAIT well under the call's timeout_s.
+# Phase B needs about 25 minutes: B (WAIT=480, timeout_s 600), then W calls until driver.done;
+# Unsloth's 7B step at 16 x 8192 takes more than 9 minutes (its first generation had not ended
+# after 530 s on a shared GPU).
 # Our code runs from the working tree (PYTHONPATH=$PWD first; the wheel in /tmp/site supplies the
 # entry points). Unsloth runs with its own site (/tmp/usite: Unsloth 2026.10.9, TRL 1.15, datasets
 # 4.8.5), never with vLLM on the path.
@@ -62,12 +65,12 @@ run7b)
   bash bench/h200_session6.sh run7b-only
   ;;
 run7b-only)
-  echo "=== 7B 16x8192: five processes at once (each one's peak memory is its own; seconds are shared) $(date +%T)"
+  echo "=== 7B 16x8192: four processes at once (each one's peak memory is its own; seconds are shared) $(date +%T)"
   # Every process's device memory every 10 s: Unsloth reports its peak only at the end.
   (while [ ! -f $BG/driver.done ]; do
      echo "$(date +%T) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"; sleep 10
    done > $BG/nvidia_smi_apps.log 2>&1 &)
-  for v in long long-lean qlora-long; do
+  for v in ${OURS_7B:-long-lean qlora-long}; do  # "long" (merged decoding) measured 34.2 GiB before
     $OURS timeout 1500 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
       --warmup 0 --variants $v --out $BG/mem7b_$v.json > $BG/mem7b_$v.log 2>&1 &
   done

@@ -3,7 +3,8 @@
 # comparison with Unsloth. One background driver (phase run) does everything in order, writing to
 # /root/bg; the calls only start it and wait for it, so no single call hits the 10-minute limit.
 #   A (carry .whl .uwhl .benchdata): install, start the driver, wait     W (no carry): wait, collect
-#   B (carry .whl .uwhl .benchdata, a fresh machine): the 7B comparisons alone (driver phase run7b)
+#   B (carry .whl .uwhl .benchdata, a fresh machine): a drift run with --profile-slow, then the 7B
+#     comparisons (driver phase run7b)
 # A call that runs past its limit kills every process it started, background ones included (seen:
 # the first driver died with call A at 600 s). Keep WAIT well under the call's timeout_s.
 # Phase B needs about 25 minutes: B (WAIT=480, timeout_s 600), then W calls until driver.done;
@@ -60,6 +61,10 @@ run)
   bash bench/h200_session6.sh run7b-only
   ;;
 run7b)
+  echo "=== drift: 0.4B eager LoRA, 20 passes, tables of any pass 1.5x the median $(date +%T)"
+  $OURS timeout 300 python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 20 --warmup 2 \
+    --variants eager --torch-profile $BG/slow --profile-slow 1.5 --out $BG/drift.json 2>&1 | grep -v '^step ' > $BG/drift.log
+  tail -n 4 $BG/drift.log; ls $BG/slow 2>/dev/null
   (OMP_NUM_THREADS=4 $UNS python3 bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --save-only \
      > $BG/save7b.log 2>&1)
   bash bench/h200_session6.sh run7b-only

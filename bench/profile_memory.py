@@ -26,7 +26,9 @@ of the accumulation window, AdamW state, float32 master copies, the static gener
 Per optimizer step: the step's wall time and its phase times, to expose drift across steps at
 fixed shapes (issue 20: the eager LoRA training pass went 0.47 s -> 2.5 s between steps 2-3 and
 4-5); ``--torch-profile DIR`` writes the op tables of the first and last measured training
-pass, so a slower kernel (or more host time) shows by name. ``--snapshot DIR`` records the allocator history of the last measured step
+pass, so a slower kernel (or more host time) shows by name; with ``--profile-slow FACTOR`` it
+profiles every measured pass instead and keeps the tables of each one slower than FACTOR x the
+median before it, next to those of the last normal pass (the drift is rare and comes unannounced). ``--snapshot DIR`` records the allocator history of the last measured step
 (``torch.cuda.memory._record_memory_history``) and dumps it for https://pytorch.org/memory_viz.
 
 Without CUDA (``--tiny``, or no GPU) it runs a tiny model with a character tokenizer on the CPU:
@@ -128,10 +130,43 @@ def _mem() -> dict[str, float]:
 class Recorder:
     """Wraps phase functions; keeps one record per call."""
 
-    def __init__(self, profile_steps: tuple[int, ...] = (), profile_dir: Path | None = None, label: str = "") -> None:
+    def __init__(
+        self,
+        profile_steps: tuple[int, ...] = (),
+        profile_dir: Path | None = None,
+        label: str = "",
+        slow_factor: float | None = None,
+        warmup: int = 0,
+    ) -> None:
         self.calls: list[dict[str, Any]] = []
         self.step = 0  # optimizer steps done (the phase's step is step + 1)
         self.profile_steps, self.profile_dir, self.label = profile_steps, profile_dir, label
+        # --profile-slow: profile every measured training pass; keep the tables of one that takes
+        # slow_factor x the median of the passes before it, with those of the last normal pass.
+        self.slow_factor, self.warmup = slow_factor, warmup
+        self._last_normal: tuple[Any, int] | None = None
+        self.slow_steps: list[int] = []
+
+    def _profiles(self, phase: str) -> bool:
+        if phase != "train" or self.profile_dir is None:
+            return False
+        if self.slow_factor is not None and self.step + 1 > self.warmup:
+            return True
+        return self.step + 1 in self.profile_steps
+
+    def _keep_if_slow(self, profiler: Any, wall: float) -> None:
+        """--profile-slow: write ``profiler``'s tables (and the last normal pass's) when this
+        training pass is slow against the median of the measured passes before it."""
+        before = [c["wall_s"] for c in self.calls if c["phase"] == "train" and c["step"] > self.warmup]
+        assert self.slow_factor is not None
+        if len(before) >= 2 and wall > self.slow_factor * median(before):
+            self._write_profile(profiler, "train", tag="slow")
+            if self._last_normal is not None:
+                normal, step = self._last_normal
+                self._write_profile(normal, "train", tag="normal", step=step)
+            self.slow_steps.append(self.step + 1)
+        else:
+            self._last_normal = (profiler, self.step + 1)
 
     def wrap(self, phase: str, fn: Any, before_call: Any = None) -> Any:
         @functools.wraps(fn)
@@ -142,7 +177,7 @@ class Recorder:
             if CUDA:
                 torch.cuda.reset_peak_memory_stats()
             profiler = None
-            if phase == "train" and self.step + 1 in self.profile_steps and self.profile_dir is not None:
+            if self._profiles(phase):
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if CUDA:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -156,7 +191,10 @@ class Recorder:
             times1 = os.times()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
-                self._write_profile(profiler, phase)
+                if self.step + 1 in self.profile_steps:
+                    self._write_profile(profiler, phase)
+                if self.slow_factor is not None:
+                    self._keep_if_slow(profiler, wall)
             end = _mem()
             self.calls.append(
                 {
@@ -191,16 +229,17 @@ class Recorder:
         return wrapper
 
 
-    def _write_profile(self, profiler: Any, phase: str) -> None:
+    def _write_profile(self, profiler: Any, phase: str, tag: str = "", step: int | None = None) -> None:
         """The op tables of one profiled call (by device time and by self CPU time)."""
         assert self.profile_dir is not None
+        step = self.step + 1 if step is None else step
         averages = profiler.key_averages()
         device_key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"
-        text = f"== {self.label} {phase} step {self.step + 1}: by device time\n"
+        text = f"== {self.label} {phase} step {step}{' (' + tag + ')' if tag else ''}: by device time\n"
         text += averages.table(sort_by=device_key, row_limit=30)
-        text += f"\n== {self.label} {phase} step {self.step + 1}: by self CPU time\n"
+        text += f"\n== {self.label} {phase} step {step}: by self CPU time\n"
         text += averages.table(sort_by="self_cpu_time_total", row_limit=30)
-        path = self.profile_dir / f"profile_{self.label}_{phase}_step{self.step + 1}.txt"
+        path = self.profile_dir / f"profile_{self.label}_{phase}_step{step}{'_' + tag if tag else ''}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
 
@@ -332,7 +371,10 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
     _common.reset_peak()
     engine = Engine(config, model=_model(tiny, dtype), tokenizer=_tokenizer(tiny), rewards=[length_reward], dataset=dataset)
     profile_dir = Path(args.torch_profile) if args.torch_profile else None
-    rec = Recorder((args.warmup + 1, args.warmup + args.steps), profile_dir, f"{args.shape}_{name}")
+    rec = Recorder(
+        (args.warmup + 1, args.warmup + args.steps) if args.slow_factor is None else (),
+        profile_dir, f"{args.shape}_{name}", slow_factor=args.slow_factor, warmup=args.warmup,
+    )
     _sync()
     t0 = time.perf_counter()
     engine._setup()
@@ -447,6 +489,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
         "parts": {**parts, "gradients_gib": max(grads_gib, default=0.0)},
         "phases": phases,
         "per_step": per_step,
+        "slow_steps": rec.slow_steps,  # --profile-slow: the steps whose training pass was profiled as slow
         "calls": rec.calls,
         "losses": [h.get("loss") for h in result.history],
         "mean_length": median([h.get("completions/mean_length", float("nan")) for h in result.history]),
@@ -504,6 +547,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--torch-profile", default=None,
         help="folder for torch.profiler op tables of the train pass of the first and the last measured step (step-time drift)",
     )
+    parser.add_argument(
+        "--profile-slow", dest="slow_factor", type=float, default=None, metavar="FACTOR",
+        help="with --torch-profile: profile every measured train pass and keep the op tables of any that "
+        "takes FACTOR x the median of the passes before it, with those of the last normal pass",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and tokenizer (CPU dry run)")
     parser.add_argument("--out", default=None, help="the JSON to write (default $OUT/profile_memory.json)")
     args = parser.parse_args(argv)
@@ -515,6 +563,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [v for v in args.variants if v not in variants]
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(variants)}")
+    if args.slow_factor is not None and not args.torch_profile:
+        parser.error("--profile-slow needs --torch-profile DIR (where the op tables go)")
     out_path = Path(args.out) if args.out else _common.out_dir() / "profile_memory.json"
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if CUDA else "cpu",

@@ -60,3 +60,28 @@ def test_cpu_dry_run_records_phases_and_exact_byte_counts(profile_memory, tmp_pa
 def test_unknown_variant_is_refused(profile_memory) -> None:
     with pytest.raises(SystemExit):
         profile_memory.main(["--tiny", "--variants", "nope"])
+
+
+@pytest.mark.parametrize("factor", [0.0, 1e9])
+def test_profile_slow_keeps_the_tables_of_slow_passes_only(profile_memory, tmp_path: Path, factor: float) -> None:
+    """--profile-slow profiles every measured training pass and writes the tables of those slower
+    than factor x the median before them (with the last normal pass's); factor 0 makes every
+    pass from the third measured one on "slow", 1e9 none."""
+    out, prof = tmp_path / "mem.json", tmp_path / "prof"
+    profile_memory.main(
+        ["--tiny", "--tokens", "4", "--rows", "4", "--steps", "4", "--warmup", "1", "--variants", "default",
+         "--torch-profile", str(prof), "--profile-slow", str(factor), "--out", str(out)]
+    )
+    run = json.loads(out.read_text())["runs"]["default"]
+    written = sorted(p.name.removeprefix("profile_smol-vocab-0.4b_default_train_") for p in prof.glob("*.txt")) if prof.exists() else []
+    if factor == 0.0:
+        assert run["slow_steps"] == [4, 5]  # steps 2 and 3 are the median's first two passes
+        assert written == ["step3_normal.txt", "step4_slow.txt", "step5_slow.txt"]
+        assert "(slow): by device time" in (prof / "profile_smol-vocab-0.4b_default_train_step5_slow.txt").read_text()
+    else:
+        assert run["slow_steps"] == [] and written == []
+
+
+def test_profile_slow_needs_a_folder(profile_memory) -> None:
+    with pytest.raises(SystemExit):
+        profile_memory.main(["--tiny", "--profile-slow", "2"])

@@ -194,12 +194,13 @@ class StaticCacheGenerator(Generator):
         if self._decoder.merge_weights:
             advice.append(
                 "generator.params.merge_weights (on: LoRA decoding keeps a merged copy of the projection "
-                "weights; false drops it, decoding about 2x slower)"
+                "weights; false drops it, decoding about 2x slower: generator: {name: static, params: "
+                "{merge_weights: false}})"
             )
         if phase != "generation" and not self.params.release_cache:
             advice.append(
                 "generator.params.release_cache (false; true frees the KV cache and decode graphs before "
-                "the log-prob and training passes)"
+                "the log-prob and training passes: generator: {name: static, params: {release_cache: true}})"
             )
         return advice
 

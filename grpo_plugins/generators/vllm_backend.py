@@ -431,9 +431,15 @@ class VLLMGenerator(Generator):
         if self.params.mode == "server":
             return []  # the server's memory is its own
         p = self.params
-        advice = [f"generator.params.gpu_memory_utilization ({p.gpu_memory_utilization}; the colocated engine's share of the GPU)"]
+        advice = [
+            f"generator.params.gpu_memory_utilization ({p.gpu_memory_utilization}; the colocated engine's share of "
+            "the GPU, set under generator: {name: vllm, params: {...}})"
+        ]
         if phase != "generation" and not p.enable_sleep_mode:
-            advice.append("generator.params.enable_sleep_mode (false; true frees the engine's KV cache and weights during training)")
+            advice.append(
+                "generator.params.enable_sleep_mode (false; true frees the engine's KV cache and weights during "
+                "training: generator: {name: vllm, params: {enable_sleep_mode: true}})"
+            )
         return advice
 
     def on_weights_updated(self, model: Any) -> None:

@@ -65,8 +65,11 @@ class CompiledLayers:
         backend: the ``torch.compile`` backend ("inductor" on a GPU; "aot_eager" for tests).
     """
 
-    def __init__(self, layers: list[torch.nn.Module], backend: str = "inductor") -> None:
+    def __init__(
+        self, layers: list[torch.nn.Module], backend: str = "inductor", embeddings: torch.nn.Module | None = None
+    ) -> None:
         self.layers = layers
+        self.embeddings = embeddings
         compiled: dict[type, Any] = {}
         for layer in layers:
             cls = type(layer)
@@ -82,9 +85,19 @@ class CompiledLayers:
         """Layers run their compiled forward inside the block (not re-entrant)."""
         for layer, forward in zip(self.layers, self._forwards):
             layer.forward = forward  # instance attribute: nn.Module.__call__ looks it up first
+        hook = None
+        weight = getattr(self.embeddings, "weight", None)
+        if self.embeddings is not None and isinstance(weight, torch.Tensor) and not weight.requires_grad:
+            # Frozen embeddings (LoRA) give the first layer an input that does not require grad and
+            # every later layer one that does; the compiled forward guards on that, so it would
+            # compile twice (forward and backward). Making the embeddings' output require grad
+            # gives every layer the same input kind: one graph, the same values and gradients.
+            hook = self.embeddings.register_forward_hook(_output_requires_grad)
         try:
             yield
         finally:
+            if hook is not None:
+                hook.remove()
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
 
@@ -95,7 +108,8 @@ class CompiledLayers:
         if layers is None:
             logger.info("compile_layers: the model exposes no decoder layer list; training stays eager")
             return None
-        return cls(layers, backend=backend)
+        get_embeddings = getattr(model, "get_input_embeddings", None)
+        return cls(layers, backend=backend, embeddings=get_embeddings() if callable(get_embeddings) else None)
 
 
 def compiled_layers_for(
@@ -119,6 +133,11 @@ def compiled_layers_for(
     # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
     # same graphs without needing a C++ compiler (what the CPU tests exercise).
     return CompiledLayers.for_model(model, backend="inductor" if on_cuda else "aot_eager")
+
+
+def _output_requires_grad(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def _logps_and_grads(model: Any, ids: torch.Tensor, att: torch.Tensor, t: int, l
             model, ids, att, t, temperature=0.7, chunk_size=5, with_entropy=True, chunk_fn=chunk_fn
         )
         (logps * torch.linspace(-1, 1, t)).sum().backward()
-    return logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logps.detach(), entropy, {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -71,6 +71,36 @@ def test_compiled_layers_equal_eager_and_compile_once(arch: str) -> None:
     assert counters["stats"]["unique_graphs"] == 2
     # Outside the block the layers are the model's own, eager ones again.
     assert all("forward" not in layer.__dict__ for layer in layers.layers)
+
+
+def test_a_lora_model_without_checkpointing_compiles_its_layer_once() -> None:
+    """Frozen embeddings hand the first layer an input that needs no grad, and every later layer
+    one that does; inside the block the embeddings' output requires grad, so one graph serves
+    every layer, with the eager gradients. Outside the block nothing changes."""
+    from peft import LoraConfig, get_peft_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_model_config("llama", num_hidden_layers=3)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type", "llama"), **cfg))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).train()
+    layers = CompiledLayers.for_model(model, backend="aot_eager")
+    assert layers is not None
+    ids = torch.randint(3, model.config.vocab_size, (3, 10), generator=torch.Generator().manual_seed(2))
+    att = torch.ones_like(ids)
+    eager, _, eager_grads = _logps_and_grads(model, ids, att, 4, None)
+    compiled, _, compiled_grads = _logps_and_grads(model, ids, att, 4, layers)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert {n for n, g in eager_grads.items() if g is not None} == {n for n, g in compiled_grads.items() if g is not None}
+    for name, grad in eager_grads.items():
+        if grad is not None:
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert counters["stats"]["unique_graphs"] == 2  # the layer, the log-softmax chunk
+    embeddings = model.get_input_embeddings()
+    assert not embeddings._forward_hooks  # the hook lives only inside the block
+    with torch.enable_grad():
+        assert not embeddings(ids).requires_grad
 
 
 def test_compiled_forward_is_installed_only_inside_the_block() -> None:
@@ -156,8 +186,8 @@ def test_a_compilation_failure_is_one_clear_error(tiny_model: dict, tmp_path: Pa
 
     original = compiled_layers.CompiledLayers.__init__
 
-    def init(self: Any, layers: Any, backend: Any = "inductor") -> None:
-        original(self, layers, backend=broken_backend)
+    def init(self: Any, layers: Any, backend: Any = "inductor", **kwargs: Any) -> None:
+        original(self, layers, backend=broken_backend, **kwargs)
 
     monkeypatch.setattr(compiled_layers.CompiledLayers, "__init__", init)
     torch._dynamo.reset()

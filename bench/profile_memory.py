@@ -127,6 +127,25 @@ def _mem() -> dict[str, float]:
     }
 
 
+class GcClock:
+    """Seconds Python's garbage collector has run, by generation (through ``gc.callbacks``): a
+    training pass that is slow on the host with no op to show for it may be a full collection."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
+GC_CLOCK = GcClock()
+
+
 class Recorder:
     """Wraps phase functions; keeps one record per call."""
 
@@ -183,12 +202,12 @@ class Recorder:
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.__enter__()
-            t0, times0 = time.perf_counter(), os.times()
+            t0, times0, gc0 = time.perf_counter(), os.times(), list(GC_CLOCK.seconds)
             out = fn(*args, **kwargs)
             host = time.perf_counter() - t0
             _sync()
             wall = time.perf_counter() - t0
-            times1 = os.times()
+            times1, gc1 = os.times(), list(GC_CLOCK.seconds)
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 if self.step + 1 in self.profile_steps:
@@ -221,6 +240,9 @@ class Recorder:
                     "device_frees": end["device_frees"] - start["device_frees"],
                     "alloc_retries": end["retries"] - start["retries"],
                     "gc_collections": sum(s["collections"] for s in gc.get_stats()),
+                    # Inside the timed call: all collections, and the full (generation-2) ones.
+                    "gc_s": sum(gc1) - sum(gc0),
+                    "gc_full_s": gc1[2] - gc0[2],
                     **extra,
                 }
             )
@@ -381,6 +403,8 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
     setup_s = time.perf_counter() - t0
     after_setup = _mem()
     setup_peak = torch.cuda.max_memory_allocated() if CUDA else 0
+    if not args.gc_freeze:
+        engine.heap.freeze = lambda: None  # type: ignore[method-assign]
 
     # Instrument the phases (the objects exist once the engine is set up).
     rollouts = engine.rollouts
@@ -468,6 +492,9 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
                 "train_host_s": sum(c["host_s"] for c in calls if c["phase"] == "train"),
                 "train_cpu_s": sum(c["cpu_s"] for c in calls if c["phase"] == "train"),
                 "train_cpu_system_s": sum(c["cpu_system_s"] for c in calls if c["phase"] == "train"),
+                "train_gc_s": sum(c["gc_s"] for c in calls if c["phase"] == "train"),
+                "train_gc_full_s": sum(c["gc_full_s"] for c in calls if c["phase"] == "train"),
+                "gc_s": sum(c["gc_s"] for c in calls),
                 "load_1min": max((c["load_1min"] for c in calls), default=0.0),
                 "alloc_retries": sum(c["alloc_retries"] for c in calls),
                 "device_allocs": sum(c["device_allocs"] for c in calls),
@@ -525,6 +552,8 @@ def table(r: dict[str, Any]) -> str:
     cpu = ", ".join(f"{s['train_cpu_s']:.2f} ({s['train_cpu_system_s']:.2f})" for s in r["per_step"])
     load = ", ".join(f"{s['load_1min']:.1f}" for s in r["per_step"])
     lines.append(f"   its CPU time (s; in the kernel): {cpu}; load average: {load}")
+    collector = ", ".join(f"{s['train_gc_s']:.3f} ({s['train_gc_full_s']:.3f})" for s in r["per_step"])
+    lines.append(f"   garbage collection in it (s; full collections): {collector}")
     return "\n".join(lines)
 
 
@@ -551,6 +580,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--profile-slow", dest="slow_factor", type=float, default=None, metavar="FACTOR",
         help="with --torch-profile: profile every measured train pass and keep the op tables of any that "
         "takes FACTOR x the median of the passes before it, with those of the last normal pass",
+    )
+    parser.add_argument(
+        "--no-gc-freeze", dest="gc_freeze", action="store_false",
+        help="leave the heap to Python's collector as it is (the engine freezes it after setup and "
+        "after the first step, grpo_plugins/heap.py): shows what the freeze does to the step times",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and tokenizer (CPU dry run)")
     parser.add_argument("--out", default=None, help="the JSON to write (default $OUT/profile_memory.json)")

@@ -46,6 +46,7 @@ from grpo_plugins.errors import TrainingError
 from grpo_plugins.evaluation import Evaluator
 from grpo_plugins.generators import build_generator
 from grpo_plugins.guards import NonFiniteError, RunGuard
+from grpo_plugins.heap import LongLivedObjects
 from grpo_plugins.metrics import MetricsWriter
 from grpo_plugins.objective import loss_settings
 from grpo_plugins.registry import Registry, registry_for, resolve_component
@@ -174,6 +175,7 @@ class Engine:
         self.writer: MetricsWriter | None = None
         self.log: StepLog | None = None
         self._own_process_group = False  # fsdp on one process: a group of one, ended at teardown
+        self.heap = LongLivedObjects()  # keeps full garbage collections out of the steps (heap.py)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -318,6 +320,7 @@ class Engine:
             close_generator()
         if self.writer is not None:
             self.writer.close()
+        self.heap.release()
         if self._own_process_group:
             sharding.end_process_group()
             self._own_process_group = False
@@ -343,6 +346,8 @@ class Engine:
             except RewardFailed as failed:
                 raise failed.error from None
 
+        self.heap.freeze()  # the model, data and plugins stay alive to the end
+        first_cycle = cycle
         while self.global_step < self.total_steps:
             steps = plan.cycle(cycle, acc.process_index)
             if rollout is None:
@@ -380,6 +385,8 @@ class Engine:
                 if done:
                     break
             cycle, start_k, rollout = cycle + 1, 0, None
+            if cycle == first_cycle + 1 and self.global_step < self.total_steps:
+                self.heap.freeze()  # and so do the graphs the first cycle compiled (not its rollout)
         if final is None and last_saved == self.global_step and resumed_from is not None:
             final = resumed_from  # resumed a finished run: nothing left to do
         return TrainResult(

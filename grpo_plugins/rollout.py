@@ -197,7 +197,8 @@ def score_completions(
     Raises:
         RewardError: a reward failed (see the runner's ``on_error``).
     """
-    id_lists = [completion_ids[i, : int(lengths[i])].tolist() for i in range(len(prompts))]
+    ids, ends = completion_ids.cpu(), lengths.tolist()  # one copy to the host, not a sync per row
+    id_lists = [ids[i, : int(ends[i])].tolist() for i in range(len(prompts))]
     texts = tokenizer.batch_decode(id_lists, skip_special_tokens=True)
     return rewards(prompts, texts, id_lists, columns, step=step), texts
 
@@ -308,7 +309,8 @@ class RolloutMaker:
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (L, P+T)
         steps = plan.cycle(cycle, acc.process_index)
         if cfg.log_completions and writer is not None:
-            keep = [i for i in range(len(share.prompts)) if share.empty is None or not bool(share.empty[i])]
+            empty = share.empty.tolist() if share.empty is not None else [False] * len(share.prompts)
+            keep = [i for i in range(len(share.prompts)) if not empty[i]]
             self._log_completions(
                 writer, step_number, [share.prompts[i] for i in keep], [share.texts[i] for i in keep],
                 share.local_rewards[keep], advantages[keep],
@@ -445,7 +447,9 @@ class RolloutMaker:
         from grpo_plugins.rewards import RewardError
 
         acc = self.accelerator
-        id_lists = [completion_ids[i][model_mask[i].bool()].tolist() for i in range(len(prompts))]
+        # One copy to the host, not one masked index (a kernel and a sync) per row.
+        ids, keep = completion_ids.cpu(), model_mask.bool().cpu()
+        id_lists = [ids[i][keep[i]].tolist() for i in range(len(prompts))]
         texts = completions if completions is not None else self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)
         error: Exception | None = None
         try:

@@ -85,3 +85,30 @@ def test_profile_slow_keeps_the_tables_of_slow_passes_only(profile_memory, tmp_p
 def test_profile_slow_needs_a_folder(profile_memory) -> None:
     with pytest.raises(SystemExit):
         profile_memory.main(["--tiny", "--profile-slow", "2"])
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_garbage_collection_is_timed_per_call_and_the_freeze_can_be_left_out(
+    profile_memory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, freeze: bool
+) -> None:
+    from grpo_plugins.heap import LongLivedObjects
+
+    freezes: list[int] = []
+    real_freeze = LongLivedObjects.freeze
+
+    def counted(self: LongLivedObjects) -> None:
+        freezes.append(1)
+        real_freeze(self)
+
+    monkeypatch.setattr(LongLivedObjects, "freeze", counted)
+    out = tmp_path / "mem.json"
+    profile_memory.main(
+        ["--tiny", "--tokens", "4", "--rows", "4", "--steps", "2", "--warmup", "1", "--variants", "default",
+         "--out", str(out)] + ([] if freeze else ["--no-gc-freeze"])
+    )
+    run = json.loads(out.read_text())["runs"]["default"]
+    assert (len(freezes) > 0) is freeze
+    for call in run["calls"]:
+        assert 0.0 <= call["gc_full_s"] <= call["gc_s"] <= call["wall_s"] + 1e-3
+    for step in run["per_step"]:
+        assert 0.0 <= step["train_gc_full_s"] <= step["train_gc_s"] <= step["gc_s"]

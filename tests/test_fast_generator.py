@@ -290,6 +290,46 @@ def test_release_cache_hands_freed_blocks_back_on_the_model_device(llama: tuple,
     assert seen == [torch.device("cpu")] * 2
 
 
+def test_release_cache_frees_the_cache_and_merged_copies_before_handing_memory_back(
+    tiny_qwen2: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """empty_cache can only return blocks nothing holds: when release_cache hands memory back,
+    the KV cache and the merged LoRA copies must already be unreachable (at 7B x 16 x 8192 the
+    generation's locals kept 7 GiB reserved through training)."""
+    import weakref
+
+    import grpo_plugins.generators.static_decode as static_decode
+
+    caches: list[weakref.ref] = []
+    allocate = static_decode.DecodeState.allocate
+
+    def tracked(*args: object, **kwargs: object) -> object:
+        state = allocate(*args, **kwargs)
+        caches.append(weakref.ref(state.k_cache[0]))
+        return state
+
+    monkeypatch.setattr(static_decode.DecodeState, "allocate", staticmethod(tracked))
+    merged: list[weakref.ref] = []
+    merged_layer = static_decode.MergedLayer
+
+    def tracked_layer(layer: object) -> object:
+        copy = merged_layer(layer)
+        merged.extend(weakref.ref(b) for b in copy.buffers())
+        return copy
+
+    monkeypatch.setattr(static_decode, "MergedLayer", tracked_layer)
+    decoder = StaticDecoder(_lora_qwen2(tiny_qwen2), SamplingSettings(max_completion_length=4, top_k=1), [2], 0,
+                            release_cache=True, merge_weights=True)
+    alive_at_release: list[int] = []
+
+    def check(device: torch.device) -> None:
+        alive_at_release.append(sum(ref() is not None for ref in caches + merged))
+
+    monkeypatch.setattr(static_decode, "return_freed_memory", check)
+    decoder.generate(PROMPTS)
+    assert caches and merged and alive_at_release == [0]
+
+
 def test_static_params_defaults_and_typos() -> None:
     from grpo_plugins.registry import ComponentParamsError
 

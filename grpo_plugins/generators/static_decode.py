@@ -665,6 +665,16 @@ class StaticDecoder:
         Returns ``(completion_ids, completion_mask, is_truncated, sampling_logps)`` with
         shapes (B, T'), (B, T'), (B,), (B, T'), T' = the longest completion (EOS included).
         """
+        out = self._sample(prompt_ids)
+        if self.release_cache:
+            # Only here, once _sample has returned: its locals hold the graph, the KV cache and the
+            # merged layers until then, and the allocator cannot hand back blocks still in use.
+            self.clear()
+            self._merged = None
+            return_freed_memory(self.parts.embed.weight.device)
+        return out
+
+    def _sample(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if any(len(p) == 0 for p in prompt_ids):
             raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
         key = self._param_key()
@@ -736,10 +746,6 @@ class StaticDecoder:
             is_eos = (tokens[:, :, None] == st.eos).any(dim=-1)  # (n, steps)
         else:
             is_eos = torch.zeros_like(tokens, dtype=torch.bool)
-        if self.release_cache:
-            self.clear()
-            self._merged = None
-            return_freed_memory(device)
         tokens, mask, truncated, _ = cut_at_eos(tokens, is_eos, self.pad_id)  # (n, T) (n, T) (n,)
         logps = logps[:, : mask.shape[1]].masked_fill(mask == 0, 0.0)
         return tokens, mask, truncated, logps

@@ -22,7 +22,9 @@ For long completions (7B shape, 16 x 8192) train one row per forward+backward, a
 Prints and writes: median step seconds after ``--warmup``, the peak of torch's allocator over
 the training steps (``max_memory_allocated``, as profile_memory.py reports), the trainer class
 (must be ``UnslothGRPOTrainer``: Unsloth falls back to TRL's silently when its patch fails), and
-the settings Unsloth ended up with.
+the settings Unsloth ended up with. While it runs, a thread appends torch's allocator counters
+every 10 s to ``<out>.progress.jsonl``, so a run stopped before its end (Unsloth's 7B generation
+at 16 x 8192 took more than 20 minutes) still shows its peak so far on the same measure.
 """
 
 from __future__ import annotations
@@ -39,6 +41,32 @@ import unsloth  # noqa: F401  (must come before transformers, peft and trl: it p
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench._common as _common  # noqa: E402
+
+
+def watch_memory(path: Path, every: float = 10.0) -> None:
+    """Start a daemon thread appending allocator counters (GiB) to ``path`` every ``every`` s."""
+    import json
+    import threading
+
+    import torch
+
+    start = time.perf_counter()
+
+    def run() -> None:
+        while True:
+            time.sleep(every)
+            row = {
+                "elapsed_s": round(time.perf_counter() - start, 1),
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            }
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if torch.cuda.is_available():
+        threading.Thread(target=run, name="memory-watch", daemon=True).start()
 
 
 def main() -> None:
@@ -107,6 +135,8 @@ def main() -> None:
         model=model, processing_class=tokenizer, reward_funcs=[length_reward], args=config,
         train_dataset=datasets.Dataset.from_dict({"prompt": prompt_texts(256)}), callbacks=[StepTimer()],
     )
+    out_path = Path(args.out) if args.out else out_dir() / "unsloth.json"
+    watch_memory(out_path.with_name(out_path.stem + ".progress.jsonl"))
     torch.cuda.synchronize()
     start = time.perf_counter()
     trainer.train()
@@ -122,7 +152,7 @@ def main() -> None:
             "mask_truncated_completions", "epsilon", "epsilon_high", "loss_type", "beta", "gradient_checkpointing")},
     }
     print(result, flush=True)
-    write_json(Path(args.out) if args.out else out_dir() / "unsloth.json", result)
+    write_json(out_path, result)
     if result["trainer"] != "UnslothGRPOTrainer":
         print("WARNING: Unsloth's patch did not apply; these are TRL's numbers", flush=True)
 

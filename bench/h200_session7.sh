@@ -12,7 +12,8 @@
 # with the GPU example beside them (its step seconds and compile seconds are shared too; its
 # graph count, finiteness and rewards are not affected).
 # Next session (issue 20's open 7B comparison, after the release_cache fix), on a fresh machine:
-#   DRIFT=0 EXAMPLE=0 UNSLOTH_TIMEOUT=1500 bash bench/h200_session7.sh A   (carry .whl .uwhl .benchdata)
+#   DRIFT=0 EXAMPLE=0 UNSLOTH_TIMEOUT=1450 OURS_7B="long-lean long-lean8 qlora-long" \
+#     bash bench/h200_session7.sh A   (carry .whl .uwhl .benchdata)
 #   then W calls (WAIT=560, timeout_s 600) until driver.done; the GGUF parts are not needed.
 set -uo pipefail
 phase=${1:?phase A|G|W|run}
@@ -63,7 +64,7 @@ run)
   (while [ ! -f $BG/driver.done ]; do
      echo "$(date +%T) $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"; sleep 10
    done > $BG/nvidia_smi_apps.log 2>&1 &)
-  for v in long-lean qlora-long; do
+  for v in ${OURS_7B:-long-lean qlora-long}; do
     $OURS timeout 1200 python3 bench/profile_memory.py --shape qwen2.5-7b --lora 16 --tokens 8192 --rows 16 --steps 1 \
       --warmup 0 --variants $v --out $BG/mem7b_$v.json > $BG/mem7b_$v.log 2>&1 &
     echo "$v pid $!"

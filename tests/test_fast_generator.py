@@ -330,6 +330,33 @@ def test_release_cache_frees_the_cache_and_merged_copies_before_handing_memory_b
     assert caches and merged and alive_at_release == [0]
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_max_batch_rows_decodes_in_parts_with_the_same_result(llama: tuple, monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """Greedy decoding in parts of ``rows`` completions gives what one batch gives (ids, mask,
+    truncation, log-probs), with the parts' different completion lengths padded to the longest,
+    and no KV cache holds more than ``rows`` rows."""
+    import grpo_plugins.generators.static_decode as static_decode
+
+    model, _ = llama
+    greedy = SamplingSettings(max_completion_length=6, top_k=1)
+    eos = [int(StaticDecoder(model, greedy, [2], 0).generate(PROMPTS)[0][1, 0])]  # one row stops at once
+    whole = StaticDecoder(model, greedy, eos, 0).generate(PROMPTS)
+    allocated_rows: list[int] = []
+    allocate = static_decode.DecodeState.allocate
+
+    def tracked(parts: object, B: int, *args: object) -> object:
+        allocated_rows.append(B)
+        return allocate(parts, B, *args)
+
+    monkeypatch.setattr(static_decode.DecodeState, "allocate", staticmethod(tracked))
+    split = StaticDecoder(model, greedy, eos, 0, max_batch_rows=rows).generate(PROMPTS)
+    assert whole[1].sum(1).tolist() != [6] * 4  # completions of different lengths
+    for a, b in zip(whole[:3], split[:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(whole[3], split[3], atol=1e-5, rtol=1e-5)
+    assert allocated_rows and max(allocated_rows) <= rows
+
+
 def test_static_params_defaults_and_typos() -> None:
     from grpo_plugins.registry import ComponentParamsError
 
@@ -477,10 +504,12 @@ def test_memory_advice_names_the_static_settings_that_hold_memory(tiny_qwen2: di
     sampling = SamplingSettings(max_completion_length=4)
     default = StaticCacheGenerator()
     default.setup(model, tokenizer, sampling)
-    assert [a.split(" ")[0] for a in default.memory_advice("generation")] == ["generator.params.merge_weights"]
+    assert [a.split(" ")[0] for a in default.memory_advice("generation")] == [
+        "generator.params.merge_weights", "generator.params.max_batch_rows",
+    ]
     assert [a.split(" ")[0] for a in default.memory_advice("training")] == [
         "generator.params.merge_weights", "generator.params.release_cache",
     ]
-    lean = StaticCacheGenerator(StaticCacheGenerator.Params(release_cache=True, merge_weights=False))
+    lean = StaticCacheGenerator(StaticCacheGenerator.Params(release_cache=True, merge_weights=False, max_batch_rows=8))
     lean.setup(model, tokenizer, sampling)
     assert lean.memory_advice("generation") == [] and lean.memory_advice("training") == []

@@ -64,6 +64,11 @@ class StaticCacheGenerator(Generator):
             False,
             description="Free the KV cache and graph after each generation and hand their memory back to the driver (less memory while training; re-captures each time).",
         )
+        max_batch_rows: int | None = Field(
+            None,
+            ge=1,
+            description="Decode at most this many completions at a time; a larger batch is decoded in consecutive parts. The KV cache holds this many rows (16 x 8192 tokens at 7B: 7 GiB for 16, 3.5 for 8), and each part takes about as long as the whole batch would (decoding is bound by reading the weights). A power of two from 8 up wastes no padding rows on a GPU. Default: all at once.",
+        )
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
         merge_weights: bool | None = Field(
             None,
@@ -117,6 +122,7 @@ class StaticCacheGenerator(Generator):
             max_graphs=self.params.max_graphs,
             release_cache=self.params.release_cache,
             merge_weights=self.params.merge_weights,
+            max_batch_rows=self.params.max_batch_rows,
         )
 
     @contextlib.contextmanager
@@ -196,6 +202,12 @@ class StaticCacheGenerator(Generator):
                 "generator.params.merge_weights (on: LoRA decoding keeps a merged copy of the projection "
                 "weights; false drops it, decoding about 2x slower: generator: {name: static, params: "
                 "{merge_weights: false}})"
+            )
+        if phase == "generation" and self.params.max_batch_rows is None:
+            advice.append(
+                "generator.params.max_batch_rows (unset: every completion of a generation decodes at once, "
+                "and the KV cache holds them all; e.g. 8 decodes 8 at a time: generator: {name: static, "
+                "params: {max_batch_rows: 8}})"
             )
         if phase != "generation" and not self.params.release_cache:
             advice.append(

@@ -495,6 +495,24 @@ class _Graph:
     replay: Callable[[], None]
 
 
+def join_parts(parts: list[tuple[torch.Tensor, ...]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Stack the outputs of batches decoded one after the other (``max_batch_rows``): completion
+    ids, mask, truncation flags and log-probs, right-padded to the longest completion."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p[0].shape[1] for p in parts)
+
+    def widen(x: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    return (
+        torch.cat([widen(p[0], pad_id) for p in parts]),  # (n, T)
+        torch.cat([widen(p[1], 0) for p in parts]),  # (n, T)
+        torch.cat([p[2] for p in parts]),  # (n,)
+        torch.cat([widen(p[3], 0.0) for p in parts]),  # (n, T)
+    )
+
+
 def return_freed_memory(device: torch.device) -> None:
     """Hand the allocator's unused blocks back to the driver (CUDA only).
 
@@ -523,6 +541,8 @@ class StaticDecoder:
         max_graphs: graphs (with their KV caches) kept at once, least recently used dropped first.
         release_cache: drop every graph and KV cache (and merged weights) at the end of each
             ``generate``.
+        max_batch_rows: decode at most this many rows at a time (None: all at once); a longer
+            batch is decoded in consecutive parts, so the KV cache holds this many rows.
         compile_backend: the ``torch.compile`` backend (``aot_eager`` in CPU tests).
         merge_weights: decode from :class:`MergedLayer` copies of the projection weights (LoRA
             deltas merged, q/k/v and gate/up fused), refreshed before each ``generate``; costs one
@@ -547,8 +567,10 @@ class StaticDecoder:
         release_cache: bool = False,
         compile_backend: str = "inductor",
         merge_weights: bool | None = None,
+        max_batch_rows: int | None = None,
     ) -> None:
         self.model = model
+        self.max_batch_rows = max_batch_rows
         self.parts = check_supported(model)
         self.sampling = sampling
         self.eos_ids = sorted(set(eos_ids))
@@ -665,7 +687,8 @@ class StaticDecoder:
         Returns ``(completion_ids, completion_mask, is_truncated, sampling_logps)`` with
         shapes (B, T'), (B, T'), (B,), (B, T'), T' = the longest completion (EOS included).
         """
-        out = self._sample(prompt_ids)
+        rows = self.max_batch_rows or len(prompt_ids)
+        out = join_parts([self._sample(prompt_ids[i : i + rows]) for i in range(0, len(prompt_ids), rows)], self.pad_id)
         if self.release_cache:
             # Only here, once _sample has returned: its locals hold the graph, the KV cache and the
             # merged layers until then, and the allocator cannot hand back blocks still in use.

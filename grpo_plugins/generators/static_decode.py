@@ -687,8 +687,14 @@ class StaticDecoder:
         Returns ``(completion_ids, completion_mask, is_truncated, sampling_logps)`` with
         shapes (B, T'), (B, T'), (B,), (B, T'), T' = the longest completion (EOS included).
         """
-        rows = self.max_batch_rows or len(prompt_ids)
-        out = join_parts([self._sample(prompt_ids[i : i + rows]) for i in range(0, len(prompt_ids), rows)], self.pad_id)
+        if any(len(p) == 0 for p in prompt_ids):
+            raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
+        rows = min(self.max_batch_rows or len(prompt_ids), len(prompt_ids))
+        # Every part is decoded in one graph and cache, shaped for the longest prompt of the batch
+        # and the largest part, so a shorter part does not capture (and keep) a second one.
+        longest = max(len(p) for p in prompt_ids)
+        parts = [self._sample(prompt_ids[i : i + rows], longest, rows) for i in range(0, len(prompt_ids), rows)]
+        out = join_parts(parts, self.pad_id)
         if self.release_cache:
             # Only here, once _sample has returned: its locals hold the graph, the KV cache and the
             # merged layers until then, and the allocator cannot hand back blocks still in use.
@@ -697,9 +703,11 @@ class StaticDecoder:
             return_freed_memory(self.parts.embed.weight.device)
         return out
 
-    def _sample(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
+    def _sample(
+        self, prompt_ids: list[list[int]], longest: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode ``prompt_ids`` (at most ``rows``, none longer than ``longest`` tokens) in the
+        graph and cache for (rows, longest)."""
         key = self._param_key()
         if key != self._weights_key:  # parameters re-allocated: captured addresses are stale
             self.clear()
@@ -707,9 +715,8 @@ class StaticDecoder:
         device = self.parts.embed.weight.device
         dtype = self.parts.embed.weight.dtype
         n, T = len(prompt_ids), self.sampling.max_completion_length
-        longest = max(len(p) for p in prompt_ids)
         P = bucket(longest, self.prompt_multiple)
-        B = batch_bucket(n) if device.type == "cuda" else n
+        B = batch_bucket(rows) if device.type == "cuda" else rows
         window = self.parts.sliding_window
         if window is not None and P + T > window:
             raise UnsupportedModelError(

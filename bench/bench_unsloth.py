@@ -30,6 +30,7 @@ at 16 x 8192 took more than 20 minutes) still shows its peak so far on the same 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -56,6 +57,7 @@ def watch_memory(path: Path, every: float = 10.0) -> None:
         while True:
             time.sleep(every)
             row = {
+                "pid": os.getpid(),  # to find this process in nvidia-smi's per-process log
                 "elapsed_s": round(time.perf_counter() - start, 1),
                 "allocated_gib": torch.cuda.memory_allocated() / 2**30,
                 "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -143,7 +145,7 @@ def main() -> None:
     steps = [b - a for a, b in zip([start, *ends[:-1]], ends)]
     used = trainer.args
     result = {
-        "framework": "unsloth", "unsloth": getattr(unsloth, "__version__", "?"), "trainer": type(trainer).__name__,
+        "framework": "unsloth", "pid": os.getpid(), "unsloth": getattr(unsloth, "__version__", "?"), "trainer": type(trainer).__name__,
         "shape": args.shape, "lora": args.lora, "tokens": args.tokens, "rows": args.rows, "micro_rows": micro_rows,
         "load_in_4bit": args.load_in_4bit,
         "step_s": median(steps[args.warmup:]) if len(steps) > args.warmup else None, "step_times": steps,

@@ -85,6 +85,7 @@ run)
     sleep 30; echo "--- $(date +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
   done
   for f in $BG/mem7b_*.log $BG/unsloth_7b*.log $BG/example*.log; do echo "== $f"; grep -v '^step ' $f | tail -n 14; done
+  python3 bench/compare_7b.py $BG | tee $BG/compare_7b.md
   echo "=== done $(date +%T)"; touch $BG/driver.done
   ;;
 esac

@@ -607,6 +607,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_path = Path(args.out) if args.out else _common.out_dir() / "profile_memory.json"
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if CUDA else "cpu",
+        "pid": os.getpid(),  # to find this process in nvidia-smi's per-process log
         "torch": torch.__version__,
         "args": vars(args),
         "runs": {},

@@ -15,8 +15,9 @@ import gc
 
 
 class LongLivedObjects:
-    """Freezes the heap at points where what is alive will stay alive (after setup, after the
-    first step has compiled what it compiles), and gives it back to the collector at the end."""
+    """Freezes the heap at points where what is alive will stay alive (the engine: after setup,
+    and after the first generation cycle has compiled what it compiles), and gives it back to the
+    collector at the end."""
 
     def __init__(self) -> None:
         self.freezes = 0

@@ -100,6 +100,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "load_in_4bit": True, "activation_offload": True, "train_chunk_rows": 1, "logprob_chunk_size": 512,
         "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True}},
     },
+    "qlora-long8": {  # "qlora-long" decoding 8 rows at a time
+        "load_in_4bit": True, "activation_offload": True, "train_chunk_rows": 1, "logprob_chunk_size": 512,
+        "generator": {"name": "static", "params": {"ignore_eos": True, "release_cache": True, "max_batch_rows": 8}},
+    },
     "qlora8": {"load_in_8bit": True},
     "mask-truncated": {"mask_truncated_completions": True, "epsilon_high": 0.28},  # Unsloth's silent changes
 }

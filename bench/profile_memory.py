@@ -344,7 +344,10 @@ def _tokenizer(tiny: bool) -> Any:
     return tokenizer
 
 
-def _model(tiny: bool, dtype: torch.dtype) -> Any:
+def _model(tiny: bool, dtype: torch.dtype, on_device: bool = True) -> Any:
+    """The random model; ``on_device=False`` builds it in CPU memory, as a checkpoint is read,
+    so that a quantised variant's setup peak is the engine's (it quantises layer by layer on
+    the device), not that of a 16-bit copy this script put there."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = _common.model_shape()
@@ -354,7 +357,7 @@ def _model(tiny: bool, dtype: torch.dtype) -> Any:
         shape.update(vocab_size=tiny_vocab_size(), max_position_embeddings=2048)
     config = AutoConfig.for_model(shape.pop("model_type"), **shape)
     torch.manual_seed(0)
-    with torch.device("cuda" if CUDA else "cpu"):
+    with torch.device("cuda" if CUDA and on_device else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = None
     return model
@@ -400,7 +403,9 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
     dtype = torch.bfloat16 if CUDA else torch.float32
     dataset = datasets.Dataset.from_dict({"prompt": prompt_texts(max(64, args.rows))})
     _common.reset_peak()
-    engine = Engine(config, model=_model(tiny, dtype), tokenizer=_tokenizer(tiny), rewards=[length_reward], dataset=dataset)
+    quantized = bool(config.get("load_in_4bit") or config.get("load_in_8bit"))
+    model = _model(tiny, dtype, on_device=not quantized)
+    engine = Engine(config, model=model, tokenizer=_tokenizer(tiny), rewards=[length_reward], dataset=dataset)
     profile_dir = Path(args.torch_profile) if args.torch_profile else None
     rec = Recorder(
         (args.warmup + 1, args.warmup + args.steps) if args.slow_factor is None else (),
@@ -533,7 +538,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict[str, Any]) 
     import shutil
 
     shutil.rmtree(config["output_dir"], ignore_errors=True)
-    del engine, result
+    del engine, result, model
     _common.reset_peak()
     return out
 

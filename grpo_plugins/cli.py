@@ -734,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--check needs --output")
     previous = warnings.showwarning
     warnings.showwarning = _warnings_printer(previous)
+    noise = [] if args.debug else _drop_known_noise()
     try:
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
@@ -752,6 +753,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         warnings.showwarning = previous
+        for logger, noise_filter in noise:
+            logger.removeFilter(noise_filter)
+
+
+#: Third-party log lines with nothing for a user of this command line to act on, as
+#: (logger, start of the message). ``--debug`` shows them.
+KNOWN_NOISE: tuple[tuple[str, str], ...] = (
+    # peft imports bitsandbytes on every run; on a CPU with AVX512-BF16, bitsandbytes then looks
+    # for an optional kernel package and, without it, uses its own kernels -- even when nothing
+    # is quantised.
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
+)
+
+
+class _MessageFilter(logging.Filter):
+    """Drops the records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def _drop_known_noise() -> list[tuple[logging.Logger, logging.Filter]]:
+    """Installs a filter for each of ``KNOWN_NOISE``; returns them, to be removed afterwards."""
+    installed: list[tuple[logging.Logger, logging.Filter]] = []
+    for name, prefix in KNOWN_NOISE:
+        logger, noise_filter = logging.getLogger(name), _MessageFilter(prefix)
+        logger.addFilter(noise_filter)
+        installed.append((logger, noise_filter))
+    return installed
 
 
 def _warnings_printer(previous: Callable[..., None]) -> Callable[..., None]:

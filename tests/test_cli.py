@@ -400,3 +400,30 @@ def test_train_shows_the_runs_own_info_notes_on_stderr(capsys) -> None:
     finally:
         log.handlers[:] = saved[0]
         log.setLevel(saved[1])
+
+
+def _log_bitsandbytes_noise(args: object) -> int:
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+        "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...", "no kernels"
+    )
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("another bitsandbytes warning")
+    return 0
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_known_third_party_noise_is_dropped_unless_debug(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, debug: bool
+) -> None:
+    """bitsandbytes' missing-kernel line (peft imports it on every run) is not shown; its other
+    warnings are, and --debug shows everything. The filter does not outlive the command."""
+    import logging
+
+    monkeypatch.setattr(cli, "cmd_list", _log_bitsandbytes_noise)
+    caplog.set_level(logging.WARNING)
+    assert cli.main((["--debug"] if debug else []) + ["list"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert "another bitsandbytes warning" in messages
+    assert any(m.startswith("Failed to load CPU gemm_4bit_forward") for m in messages) is debug
+    assert logging.getLogger("bitsandbytes.backends.cpu.ops").filters == []

@@ -12,6 +12,11 @@
 # Unsloth's many small kernels so much that its generation did not end in 1250 s. Everything stops
 # by DEADLINE seconds after the driver starts; a stopped Unsloth run is a lower bound (its
 # progress log), see bench/compare_7b.py.
+# Left for a next session (see bench/RESULTS.md, session 8): our QLoRA process peak after the
+# release fix, and its setup peak with the model built in CPU memory (the 7B random build plus
+# quantisation took over 200 s there):
+#   DEADLINE=1400 EXAMPLE=0 OURS_7B="qlora-long qlora-long8" bash bench/h200_session8.sh A
+#   (Unsloth runs again beside them; its lower bounds only rise with a longer deadline.)
 set -uo pipefail
 phase=${1:?phase A|G|W|run}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false BENCH_TOKENIZER=/root/benchdata/tokenizer HF_HUB_OFFLINE=1

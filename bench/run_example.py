@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def main() -> None:
     args = parser.parse_args()
 
     output_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"example-{args.name}"
+    shutil.rmtree(output_dir, ignore_errors=True)  # a scratch folder: a fresh run, not one mixed with the last
     command = [sys.executable, "-m", "grpo_plugins.cli", "train", args.config, "--set", f"output_dir={output_dir}"]
     for item in args.set:
         command += ["--set", item]

@@ -70,6 +70,32 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def earlier_run(output_dir: str | Path) -> list[str]:
+    """What of an earlier run ``output_dir`` holds: its newest checkpoint's name and a non-empty
+    ``metrics.jsonl``; empty when there is none. A fresh run there would delete or overwrite them."""
+    found = []
+    latest = latest_checkpoint(output_dir)
+    if latest is not None:
+        found.append(f"{CHECKPOINTS_DIR}/{latest.name}" if latest.parent.name == CHECKPOINTS_DIR else latest.name)
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(metrics.name)
+    return found
+
+
+def refuse_fresh_run_over(output_dir: str | Path) -> None:
+    """Raise :class:`CheckpointError` when ``output_dir`` holds an earlier run (see
+    :func:`earlier_run`): a fresh run would rotate that run's checkpoints against its own and
+    overwrite its metrics."""
+    found = earlier_run(output_dir)
+    if found:
+        raise CheckpointError(
+            f"output_dir '{output_dir}' already holds an earlier run ({', '.join(found)}); continue it "
+            "with --resume (train(resume=True) in Python), or start a fresh run in another folder "
+            f"(--set output_dir=...), or delete '{output_dir}' first"
+        )
+
+
 def resolve_resume(resume: str | Path | bool | None, output_dir: str | Path) -> Path | None:
     """The checkpoint directory that ``resume`` names.
 

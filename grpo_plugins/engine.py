@@ -37,7 +37,7 @@ from grpo_plugins import sharding
 from grpo_plugins.attention import training_passes
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.checkpoint import (
-    capture_rng, latest_checkpoint, load_checkpoint, resolve_resume, restore_rng, save_checkpoint, write_atomic,
+    capture_rng, load_checkpoint, refuse_fresh_run_over, resolve_resume, restore_rng, save_checkpoint, write_atomic,
 )
 from grpo_plugins.compiled_layers import compiled_layers_for
 from grpo_plugins.config import GRPOConfig, load_config
@@ -190,9 +190,13 @@ class Engine:
             RewardError: a reward failed; the last completed step was saved first.
             NonFiniteError: a NaN/inf loss or gradient with ``on_nonfinite: stop``.
         """
+        # Before the model loads: a wrong resume path or an earlier run in output_dir fails fast.
+        resume_from = resolve_resume(resume, self.output_dir)
+        if resume_from is None:
+            refuse_fresh_run_over(self.output_dir)
         self._setup()
         try:
-            return self._run(resume)
+            return self._run(resume_from)
         finally:
             self._teardown()
 
@@ -327,10 +331,10 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _run(self, resume: str | os.PathLike[str] | bool | None) -> TrainResult:
+    def _run(self, resume_from: Path | None) -> TrainResult:
         cfg, acc, plan = self.config, self.accelerator, self.plan
         assert plan is not None and self.guard is not None and self.update is not None
-        cycle, start_k, rollout, log_window, resumed_from = self._restore(resume)
+        cycle, start_k, rollout, log_window, resumed_from = self._restore(resume_from)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.output_dir / "config.yaml", cfg.to_yaml())
@@ -449,19 +453,12 @@ class Engine:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _restore(
-        self, resume: str | os.PathLike[str] | bool | None
+        self, path: Path | None
     ) -> tuple[int, int, Rollout | None, list[dict[str, float]], Path | None]:
-        """Load the checkpoint ``resume`` names, if any: (cycle, next micro-step, the mid-cycle
+        """Load the checkpoint at ``path``, if any: (cycle, next micro-step, the mid-cycle
         rollout, the logging window, the checkpoint path)."""
         acc = self.accelerator
-        path = resolve_resume(resume, self.output_dir)
         if path is None:
-            if latest_checkpoint(self.output_dir) is not None and acc.is_main_process:
-                logger.warning(
-                    "%s already holds checkpoints of an earlier run; this fresh run will save its own next "
-                    "to them (use --resume to continue that run, or another output_dir)",
-                    self.output_dir,
-                )
             return 0, 0, None, [], None
         state, rng, saved = load_checkpoint(
             path, acc, model=self.unwrapped, optimizer=self.optimizer, scheduler=self.scheduler, scaler=acc.scaler,

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +453,44 @@ def test_cli_reward_failure_exits_nonzero_after_saving(tiny_model: dict, tmp_pat
     assert "flaky" in run.stderr and "scorer crashed" in run.stderr and "Traceback" not in run.stderr
     saved = tmp_path / "out" / "checkpoints" / "checkpoint-2"
     assert (saved / "trainer_state.json").is_file()  # the first cycle's 2 steps were saved
+
+
+# -- an earlier run in output_dir -----------------------------------------------------------------
+
+
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_before_loading(
+    tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With save_total_limit 1, a fresh run there used to rotate its own checkpoint away, keep the
+    earlier run's, and overwrite its metrics. Now it stops with one message, before the model
+    loads, and leaves the earlier run as it was; --resume continues that run."""
+    from grpo_plugins.checkpoint import CheckpointError, list_checkpoints
+
+    cfg = _config(tiny_model, tmp_path, max_steps=3, save_steps=3, save_total_limit=1)
+    Engine(cfg, rewards=[char_sum], dataset=PROMPTS).train()
+    out = tmp_path / "out"
+    metrics_before = (out / "metrics.jsonl").read_bytes()
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
+
+    def no_loading(self: Engine) -> None:
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "_setup", no_loading)
+        with pytest.raises(CheckpointError, match=r"already holds an earlier run \(checkpoints/checkpoint-3, metrics.jsonl\).*--resume"):
+            Engine({**cfg, "max_steps": 1, "save_steps": 1}, rewards=[char_sum], dataset=PROMPTS).train()
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"]
+    assert (out / "metrics.jsonl").read_bytes() == metrics_before
+
+    # Metrics alone (a run that never saved) count too; an empty metrics file does not.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    result = Engine({**cfg, "output_dir": str(other), "max_steps": 1, "save_steps": 100}, rewards=[char_sum], dataset=PROMPTS).train()
+    assert result.global_step == 1
+    shutil.rmtree(other / "checkpoints")  # the run's final save
+    with pytest.raises(CheckpointError, match=r"\(metrics.jsonl\)"):
+        Engine({**cfg, "output_dir": str(other), "max_steps": 1}, rewards=[char_sum], dataset=PROMPTS).train()
+
+    resumed = Engine({**cfg, "max_steps": 4}, rewards=[char_sum], dataset=PROMPTS).train(resume=True)
+    assert resumed.global_step == 4

@@ -577,7 +577,39 @@ def load_config(
     try:
         return GRPOConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(validation_errors(exc, GRPOConfig, data, extra_keys=CONFIG_ALIASES), where) from None
+        problems = validation_errors(exc, GRPOConfig, data, extra_keys=CONFIG_ALIASES)
+        problems = [
+            (path, (msg.startswith("unknown key") and component_param_hint(path)) or msg) for path, msg in problems
+        ]
+        raise ConfigError(problems, where) from None
+
+
+def component_param_hint(key: str) -> str | None:
+    """For an unknown top-level ``key`` that is a param of a registered component (a generator's
+    ``release_cache``, say): where to write it. None when no component has such a param."""
+    if "." in key:
+        return None
+    from grpo_plugins.kinds import COMPONENT_KINDS
+    from grpo_plugins.registry import get_registry
+
+    try:
+        components = get_registry().components()
+    except Exception:  # the hint must never hide the error it adds to
+        return None
+    owners = [
+        c for c in components
+        if c.kind in COMPONENT_KINDS and c.kind not in ("reward", "tool")
+        and c.params_model is not None and key in c.params_model.model_fields
+    ]
+    if not owners:
+        return None
+    first = owners[0]
+    field = COMPONENT_KINDS[first.kind].config_field
+    which = ", ".join(f"{c.kind} '{c.name}'" for c in owners)
+    return (
+        f"unknown key '{key}'; it is a param of the {which}: write it under that component's params, "
+        f"e.g. {field}: {{name: {first.name}, params: {{{key}: ...}}}}"
+    )
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -487,6 +487,8 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("use_liger_kernel", _T, "not_applicable", "the chunked log-softmax here already avoids full-vocabulary logits", False, noop=_is(False)),
         _key("dataloader_num_workers", _T, "not_applicable", "prompts are read in-process", 0, noop=lambda v: True),
         _key("ddp_find_unused_parameters", _T, "not_applicable", "accelerate's DDP settings apply (accelerate config)", None, noop=lambda v: True),
+        _key("deepspeed", _T, "not_applicable", "DeepSpeed is not used; for sharded training set `fsdp:` (FSDP2 through accelerate, docs/engine.md \"Several GPUs\"), for data parallel launch with accelerate or torchrun", None, noop=_is(None)),
+        _key("fsdp_config", _T, "not_applicable", "set `fsdp:` here instead (its own settings, docs/engine.md \"Several GPUs\")", None, noop=_is(None, {})),
     )
 }
 

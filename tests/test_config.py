@@ -322,3 +322,16 @@ def test_validate_fails_for_a_hub_id_that_is_not_in_the_local_cache(
     (tmp_path / "hub" / "models--acme--tiny-model" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny-model" / "refs" / "main").write_text("abc123")
     validate_config({**BASE, "model": "acme/tiny-model"}, registry)  # cached: fine
+
+
+def test_an_unknown_top_level_key_that_is_a_components_param_says_where_it_goes() -> None:
+    """release_cache and merge_weights are the static generator's params; written at the top
+    level they used to get "did you mean 'master_weights'"."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"task": None, "merge_weights": False, "temperature_pos": 1.0, "learnin_rate": 1e-5})
+    text = str(info.value)
+    assert "unknown key 'merge_weights'; it is a param of the generator 'static'" in text
+    assert "generator: {name: static, params: {merge_weights: ...}}" in text
+    assert "loss_type: {name: sapo, params: {temperature_pos: ...}}" in text
+    assert "master_weights" not in text
+    assert "unknown key 'learnin_rate'; did you mean 'learning_rate'?" in text  # a typo stays a typo

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.files import as_ordinary
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -599,6 +600,7 @@ def _write_reference(text: str, args: argparse.Namespace, command: str) -> int:
     target = Path(args.output)
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=target.parent or ".", delete=False, suffix=".tmp") as fh:
         fh.write(text)
+    as_ordinary(fh.name)
     os.replace(fh.name, target)
     return 0
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import STATE_FILE, latest_checkpoint
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.files import as_ordinary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -157,14 +158,19 @@ def clean_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> 
             setattr(config, f"{role}_token_id", token_id)
 
 
+def check_out_folder(out: Path, *, overwrite: bool) -> None:
+    """Raise :class:`ExportError` when ``out`` exists and is not empty (unless ``overwrite``)."""
+    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out '{out}' exists and is not empty; choose a new folder or pass --overwrite")
+
+
 def save_checkpoint_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, *, overwrite: bool) -> None:
     """Write model and tokenizer to ``out`` atomically (built in a sibling folder, then renamed)."""
     out = out.expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise ExportError(f"--out '{out}' exists and is not empty; choose a new folder or pass --overwrite")
+    check_out_folder(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    as_ordinary(tmp)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
@@ -226,6 +232,8 @@ def export(
         gguf_export.check_gguf_type(gguf_type)
         if gguf_path.exists() and not overwrite:
             raise ExportError(f"--gguf '{gguf_path}' exists; choose a new file or pass --overwrite")
+    if out is not None:
+        check_out_folder(Path(out).expanduser(), overwrite=overwrite)  # before the model loads
     checkpoint = find_checkpoint(source)
     out_dtype = export_dtype(dtype, checkpoint)
     model, tokenizer, merged = load_policy(checkpoint)

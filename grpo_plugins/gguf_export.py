@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.files import as_ordinary
 
 if TYPE_CHECKING:
     import numpy as np
@@ -285,6 +286,7 @@ def write_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    as_ordinary(tmp)
     try:
         # use_temp_file: each tensor is encoded and spooled to disk as it is added, not kept in memory.
         writer = gguf.GGUFWriter(str(tmp), arch_name, use_temp_file=True)

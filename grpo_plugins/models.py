@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.config import GRPOConfig, LoraSettings, ModelSpec
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.files import as_ordinary
 
 if TYPE_CHECKING:
     import torch
@@ -142,9 +143,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is an ordinary folder
+    as_ordinary(tmp)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

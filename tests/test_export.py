@@ -4,6 +4,8 @@ and a GGUF file that transformers' GGUF loader reads back (weights and tokenizer
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,13 @@ def test_exported_checkpoint_has_the_trained_policys_logits(
     assert config["architectures"] == ["LlamaForCausalLM"] and config["use_cache"] is True
     assert not {"quantization_config", "base_model_name_or_path", "peft_type"} & set(config)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(str(bpe_tokenizer_dir)).chat_template
+
+    # Both are as readable as anything else the user writes (umask 022 here): not the private
+    # modes of the temporary names they were written under.
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    assert stat.S_IMODE(gguf_file.stat().st_mode) == 0o666 & ~mask
 
     # The GGUF written alongside holds the same policy.
     from_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32)
@@ -311,3 +320,19 @@ def test_export_refuses_a_non_empty_out_folder(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(ExportError, match="--overwrite"):
         save_checkpoint_dir(None, None, tmp_path / "out", overwrite=False)  # type: ignore[arg-type]
     assert (tmp_path / "out" / "keep.txt").read_text() == "x"
+
+
+def test_export_refuses_a_non_empty_out_folder_before_loading_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo_plugins import export as export_module
+
+    def no_loading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(export_module, "load_policy", no_loading)
+    monkeypatch.setattr(export_module, "find_checkpoint", lambda source: tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(export_module.ExportError, match="exists and is not empty"):
+        export_module.export(tmp_path / "run", tmp_path / "out")

@@ -410,3 +410,20 @@ def test_the_readme_reward_scores_chat_completions_by_their_text():
     finally:
         grpo_plugins.get_registry().unregister("reward", "brevity")
     assert scores == pytest.approx([-0.01, -0.16])
+
+
+def test_a_module_function_reward_is_found_in_the_current_folder(registry, tmp_path, monkeypatch):
+    """The grpo-plugins command does not put the current folder on sys.path (python -m does); a
+    reward file next to the config is still found, after everything installed."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "local_rewards_cwd_test.py").write_text("def brevity(completions, **kw):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(RewardConfigError, match="cannot import module 'no_such_module_xyz'"):
+        resolve_reward("no_such_module_xyz:f", registry)  # nothing of that name here: the same error
+    assert str(tmp_path) not in sys.path
+    fn = resolve_reward("local_rewards_cwd_test:brevity", registry).obj
+    assert fn(["a", "b"]) == [1.0, 1.0]
+    assert sys.path[-1] == str(tmp_path)
+    sys.modules.pop("local_rewards_cwd_test", None)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,12 +46,28 @@ def _reward_distributions(registry: Registry) -> set[str]:
     return {normalize_distribution(c.distribution) for c in registry.components("reward")}
 
 
+def _import_module(name: str) -> Any:
+    """``importlib.import_module``, also finding a module in the current folder: ``python -m``
+    and ``python script.py`` put their folder on the path, the ``grpo-plugins`` command does not,
+    and a reward file next to the config is the common case."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = name.partition(".")[0]
+        here = os.getcwd()
+        local = Path(here, top).is_dir() or Path(here, f"{top}.py").is_file()
+        if exc.name != top or not local or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # after everything installed: a local file never shadows a package
+        return importlib.import_module(name)
+
+
 def _import_attr(path: str) -> Any:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise RewardConfigError(f"reward import path '{path}' must look like 'module.path:function'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_module(module_name)
     except ImportError as exc:
         raise RewardConfigError(
             f"reward '{path}': cannot import module '{module_name}' ({exc}); it is neither a "

@@ -83,10 +83,22 @@ def builtin_gguf_path(name: str) -> Path:
 _CONVERSION_VERSION = 2
 
 
+#: The content digest of each GGUF file this process has hashed, by (path, size, mtime).
+_GGUF_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
+    """The conversion's cache folder, named by the file's *content*: the same model installed in
+    several virtualenvs or clones (another path, another mtime) is converted and stored once."""
     stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{_CONVERSION_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    seen = (str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if seen not in _GGUF_DIGESTS:
+        content = hashlib.sha256()
+        with open(gguf_path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                content.update(chunk)
+        _GGUF_DIGESTS[seen] = content.hexdigest()
+    digest = hashlib.sha256(f"{_GGUF_DIGESTS[seen]}|v{_CONVERSION_VERSION}".encode()).hexdigest()[:12]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 

@@ -185,6 +185,21 @@ def test_converted_gguf_checkpoint_is_reused(tmp_path: Path, monkeypatch) -> Non
     assert convert_gguf(gguf) == target  # no conversion attempted: the fake file is not read
 
 
+def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path: Path, monkeypatch) -> None:
+    """The same model file in another virtualenv (another path and mtime) reuses the conversion;
+    another content does not."""
+    import os
+
+    monkeypatch.setenv("GRPO_PLUGINS_CACHE", str(tmp_path / "cache"))
+    first, second, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((first, b"GGUF-1"), (second, b"GGUF-1"), (other, b"GGUF-2")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1_000_000_000, 1_000_000_000))
+    assert models._gguf_cache_dir(first) == models._gguf_cache_dir(second)
+    assert models._gguf_cache_dir(other) != models._gguf_cache_dir(first)
+
+
 def _write_tiny_gguf(path: Path, hidden: int = 16, ff: int = 32, heads: int = 2, kv: int = 1) -> Path:
     """A one-layer float32 Llama GGUF with a byte-level BPE tokenizer and a chat template."""
     import gguf

@@ -295,7 +295,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if check.plan is not None:
         p = check.plan
         console.print(
-            f"  batch: {p.effective_batch_size} completions per generation = {p.unique_prompts} prompts x "
+            f"  batch: {p.effective_batch_size} completions per generation = {p.unique_prompts} "
+            f"{'prompt' if p.unique_prompts == 1 else 'prompts'} x "
             f"{p.num_generations}, {p.optimizer_steps_per_generation} optimizer step(s) per generation "
             f"on {p.num_processes} process(es)"
         )

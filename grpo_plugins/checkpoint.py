@@ -73,13 +73,15 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def earlier_run(output_dir: str | Path) -> list[str]:
     """What of an earlier run ``output_dir`` holds: its newest checkpoint's name and a non-empty
     ``metrics.jsonl``; empty when there is none. A fresh run there would delete or overwrite them."""
+    from grpo_plugins.metrics import METRICS_FILE
+
     found = []
     latest = latest_checkpoint(output_dir)
     if latest is not None:
-        found.append(f"{CHECKPOINTS_DIR}/{latest.name}" if latest.parent.name == CHECKPOINTS_DIR else latest.name)
-    metrics = Path(output_dir) / "metrics.jsonl"
+        found.append(f"{CHECKPOINTS_DIR}/{latest.name}")
+    metrics = Path(output_dir) / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append(metrics.name)
+        found.append(METRICS_FILE)
     return found
 
 

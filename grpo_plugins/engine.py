@@ -266,6 +266,10 @@ class Engine:
         if cfg.fsdp is not None:
             self._shard(model)
             return
+        if not is_quantized(model):  # a quantised model was built on its device
+            # Before anything is made from the parameters: the master copies and the optimizer
+            # state must live where the optimizer steps, whichever generator follows.
+            model.to(acc.device)
         self.trainable = trainable_parameters(model, cfg.dtype)
         self.master = master_weights_for(self.trainable, cfg.master_weights)
         stepped = self.master.params if self.master is not None else self.trainable

@@ -132,3 +132,22 @@ def test_bf16_resume_restores_the_master_weights_exactly(tiny_model: dict, tmp_p
         assert torch.equal(a, b)
     for (n, a), (_, b) in zip(full.unwrapped.named_parameters(), resumed.unwrapped.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_master_weights_live_on_the_training_device_when_the_model_arrives_elsewhere(
+    tiny_model: dict, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # The meta device stands in for a GPU: the model is loaded on the CPU, as the vllm
+    # generator's path leaves it, and everything the optimizer steps must end up on the device.
+    from accelerate import Accelerator
+
+    from grpo_plugins.runtime import make_accelerator
+
+    monkeypatch.setattr(Accelerator, "device", property(lambda self: torch.device("meta")))
+    engine = Engine(_config(tiny_model, tmp_path), rewards=[char_sum], dataset=PROMPTS)
+    engine.accelerator, engine.plan = make_accelerator(engine.config, engine.registry)
+    engine._load_model()
+    assert engine.master is not None
+    model_devices = {p.device.type for p in engine.unwrapped.parameters()}
+    stepped_devices = {p.device.type for group in engine.optimizer.param_groups for p in group["params"]}
+    assert model_devices == {"meta"} and stepped_devices == {"meta"}

@@ -105,7 +105,7 @@ def test_every_completion_is_trained_once_per_iteration(procs: int, mu: int):
     for p in range(procs):
         for step in plan.cycle(2, p):
             seen.update(step.batch)
-    expected = {plan.cycle_prompts(2)[0] + i: plan.num_generations * mu for i in range(plan.unique_prompts)}
+    expected = {2 * plan.unique_prompts + i: plan.num_generations * mu for i in range(plan.unique_prompts)}  # cycle 2's prompts
     assert dict(seen) == expected
     updates = sum(s.optimizer_update for s in plan.cycle(0))
     assert updates == plan.optimizer_steps_per_generation

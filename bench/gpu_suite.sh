@@ -114,8 +114,7 @@ phase_step() {
 
 phase_generator() {
   need_tokenizer
-  run generation generator/generation "$PY" bench/bench_generator.py --tokens 256 1024 --skip-logprobs
-  run logprobs generator/logprobs "$PY" bench/bench_generator.py --tokens 256 1024 --skip-correctness --skip-generation
+  run generator generator "$PY" bench/bench_generator.py --tokens 256 1024 --repeats 3
 }
 
 phase_decode() {

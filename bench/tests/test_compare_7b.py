@@ -1,4 +1,4 @@
-"""bench/compare_7b.py: issue 20's 7B table from one driver folder, with an Unsloth run that was
+"""bench/compare_7b.py: the 7B memory table from one folder of results, with an Unsloth run that was
 stopped early reported as a lower bound from its progress log."""
 
 from __future__ import annotations

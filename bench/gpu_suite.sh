@@ -37,6 +37,10 @@ cd "$(dirname "$0")/.."
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
 [ $# -gt 0 ] || { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite all"
+for phase in "$@"; do  # every name checked before anything runs
+  case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
+done
 PY=${PYTHON:-python}
 OUT_ROOT=${OUT_ROOT:-outputs/bench/$(date +%F)-$(git rev-parse --short HEAD 2>/dev/null || echo tree)}
 OUT_ROOT=$(mkdir -p "$OUT_ROOT" && cd "$OUT_ROOT" && pwd)
@@ -45,15 +49,15 @@ export BENCH_TOKENIZER=${BENCH_TOKENIZER:-.benchdata/tokenizer}
 EXAMPLE=examples/arithmetic_smollm2_lora_gpu.yaml
 FAILED=()
 
-# run NAME SUBFOLDER COMMAND...: the command with OUT=OUT_ROOT/SUBFOLDER, its output also in NAME.log there.
+# run REL COMMAND...: the command with OUT=OUT_ROOT/REL (its JSON goes there), its output also in REL/run.log.
 run() {
-  local name=$1 sub=$2; shift 2
-  local dir=$OUT_ROOT/$sub
+  local rel=$1; shift
+  local dir=$OUT_ROOT/$rel
   mkdir -p "$dir"
-  echo "=== $sub/$name $(date +%T): $*"
-  OUT=$dir "$@" 2>&1 | tee "$dir/$name.log" | grep -v '^ *[][0-9.,]*$' | tail -n 40
+  echo "=== $rel $(date +%T): $*"
+  OUT=$dir "$@" 2>&1 | tee "$dir/run.log" | grep -v '^ *[][0-9.,]*$' | tail -n 40
   local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || { echo "=== $sub/$name exited with $rc"; FAILED+=("$sub/$name"); }
+  [ "$rc" = 0 ] || { echo "=== $rel exited with $rc"; FAILED+=("$rel"); }
 }
 have_vllm() { "$PY" -c "import vllm" >/dev/null 2>&1; }
 need_tokenizer() {
@@ -82,8 +86,8 @@ EOF
 
 phase_trl() {
   need_tokenizer
-  run 256 trl "$PY" bench/bench_grpo.py --tokens 256 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1
-  run 1024 trl "$PY" bench/bench_grpo.py --tokens 1024 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1 \
+  run trl/256 "$PY" bench/bench_grpo.py --tokens 256 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1
+  run trl/1024 "$PY" bench/bench_grpo.py --tokens 1024 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1 \
     --ours-variants '{"": {}, " c16": {"train_chunk_rows": 16}, " c16+rel": {"train_chunk_rows": 16, "generator": {"name": "static", "params": {"release_cache": true}}}}'
 }
 
@@ -94,54 +98,54 @@ phase_trl_vllm() {
   local shape tokens
   for shape in qwen2.5-0.5b qwen2.5-1.5b; do
     for tokens in 256 1024; do
-      run "$shape-$tokens" trl-vllm "${env[@]}" "$PY" bench/bench_grpo.py --shape "$shape" --tokens "$tokens" \
+      run "trl-vllm/$shape-$tokens" "${env[@]}" "$PY" bench/bench_grpo.py --shape "$shape" --tokens "$tokens" \
         --frameworks ours trl-vllm --steps 3 --warmup 2 --trl-steps $((tokens == 256 ? 3 : 2)) --trl-warmup 1
     done
   done
-  run qwen2.5-7b-lora16-1024 trl-vllm "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
+  run trl-vllm/qwen2.5-7b-lora16-1024 "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
     --frameworks ours --steps 3 --warmup 2
-  run master-weights trl-vllm "$PY" bench/bench_grpo.py --shape qwen2.5-0.5b --tokens 256 --frameworks ours \
+  run trl-vllm/master-weights "$PY" bench/bench_grpo.py --shape qwen2.5-0.5b --tokens 256 --frameworks ours \
     --steps 3 --warmup 2 --ours-variants '{" master": {}, " nomaster": {"master_weights": false}}'
 }
 
 phase_step() {
   need_tokenizer
-  run 256 step/256 "$PY" bench/profile_step.py --tokens 256 --train-chunk-rows 0 32 16 --steps 3 --warmup 2
-  run 1024 step/1024 "$PY" bench/profile_step.py --tokens 1024 --train-chunk-rows 0 16 8 --steps 3 --warmup 2
-  run 1024-foreach step/1024-foreach "$PY" bench/profile_step.py --tokens 1024 --train-chunk-rows 16 --steps 2 \
+  run step/256 "$PY" bench/profile_step.py --tokens 256 --train-chunk-rows 0 32 16 --steps 3 --warmup 2
+  run step/1024 "$PY" bench/profile_step.py --tokens 1024 --train-chunk-rows 0 16 8 --steps 3 --warmup 2
+  run step/1024-foreach "$PY" bench/profile_step.py --tokens 1024 --train-chunk-rows 16 --steps 2 \
     --warmup 2 --optimizer-impl foreach
 }
 
 phase_generator() {
   need_tokenizer
-  run generator generator "$PY" bench/bench_generator.py --tokens 256 1024 --repeats 3
+  run generator "$PY" bench/bench_generator.py --tokens 256 1024 --repeats 3
 }
 
 phase_decode() {
   need_tokenizer
-  run 0.5b decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager fused
-  run 7b-lora16 decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic unmerged
+  run decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager fused
+  run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic unmerged
 }
 
 phase_vllm() {
   need_tokenizer
   local d=$OUT_ROOT/vllm
-  run sync vllm "$PY" bench/check_vllm.py --out "$d/check_vllm_sync.json" --parts sync nosync lora --steps 50 --lora-steps 4
-  run compare vllm "$PY" bench/check_vllm.py --out "$d/check_vllm_compare.json" --parts compare sleep example \
+  run vllm/sync "$PY" bench/check_vllm.py --out "$d/check_vllm_sync.json" --parts sync nosync lora --steps 50 --lora-steps 4
+  run vllm/compare "$PY" bench/check_vllm.py --out "$d/check_vllm_compare.json" --parts compare sleep example \
     --compare-steps 4 --example-steps 40
-  run profile vllm "$PY" bench/profile_vllm.py --tokens 256 --out "$d/profile_vllm.json"
+  run vllm/profile "$PY" bench/profile_vllm.py --tokens 256 --out "$d/profile_vllm.json"
 }
 
 phase_memory() {
   need_tokenizer
   local d=$OUT_ROOT/memory
-  run 0.4b-lora16 memory "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 8 --warmup 2 \
+  run memory/0.4b-lora16 "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 8 --warmup 2 \
     --variants eager default lean lean-eager lean-nooffload all qlora --out "$d/mem_0.4b.json"
-  run gc-freeze memory "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 16 --warmup 2 \
+  run memory/gc-freeze "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 16 --warmup 2 \
     --variants eager --out "$d/gc_freeze_on.json"
-  run gc-no-freeze memory "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 16 --warmup 2 \
+  run memory/gc-no-freeze "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 16 --warmup 2 \
     --variants eager --no-gc-freeze --out "$d/gc_freeze_off.json"
-  run drift memory "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 20 --warmup 2 \
+  run memory/drift "$PY" bench/profile_memory.py --lora 16 --tokens 256 --rows 64 --steps 20 --warmup 2 \
     --variants eager --torch-profile "$d/slow" --profile-slow 1.5 --out "$d/drift.json"
 }
 
@@ -151,7 +155,7 @@ UNS=(env HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_DISABLE_STATISTICS=1 "${UNSLOTH_PYTH
 phase_unsloth() {
   need_tokenizer
   [ -n "${UNSLOTH_PYTHON:-}" ] || { echo "=== unsloth: skipped (set UNSLOTH_PYTHON, bench/README.md)"; return; }
-  run 0.4b-lora16 unsloth "${UNS[@]}" bench/bench_unsloth.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \
+  run unsloth/0.4b-lora16 "${UNS[@]}" bench/bench_unsloth.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \
     --out "$OUT_ROOT/unsloth/unsloth_0.4b.json"
 }
 
@@ -199,20 +203,20 @@ phase_long() {
 
 phase_example() {
   # Each run's scratch output goes to TMPDIR (run_example.py); the summary JSON to OUT/example.
-  run defaults example "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 --set save_steps=1000 --name defaults
-  run compiled example "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set compile_layers=true --set max_steps=100 \
+  run example/defaults "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 --set save_steps=1000 --name defaults
+  run example/compiled "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set compile_layers=true --set max_steps=100 \
     --set save_steps=1000 --name lora-compiled
-  run fp16 example "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set dtype=float16 --set max_steps=60 \
+  run example/fp16 "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set dtype=float16 --set max_steps=60 \
     --set save_steps=1000 --name fp16
-  run qlora example "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set load_in_4bit=true --set max_steps=120 \
+  run example/qlora "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set load_in_4bit=true --set max_steps=120 \
     --set save_steps=1000 --name qlora
 }
 
 phase_nonfinite() {
   local d=$OUT_ROOT/nonfinite
-  run sdpa-nan nonfinite "$PY" bench/check_sdpa_nan.py --out "$d/sdpa_nan.json"
-  run fp16-scaler nonfinite "$PY" bench/check_fp16_scaler.py "$EXAMPLE" --steps 14
-  run diagnose nonfinite "$PY" bench/diagnose_nonfinite.py "$EXAMPLE" --set compile_layers=true --set max_steps=110 \
+  run nonfinite/sdpa-nan "$PY" bench/check_sdpa_nan.py --out "$d/sdpa_nan.json"
+  run nonfinite/fp16-scaler "$PY" bench/check_fp16_scaler.py "$EXAMPLE" --steps 14
+  run nonfinite/diagnose "$PY" bench/diagnose_nonfinite.py "$EXAMPLE" --set compile_layers=true --set max_steps=110 \
     --set save_steps=1000
 }
 
@@ -225,8 +229,6 @@ for phase in "$@"; do
       phase_setup; phase_trl; phase_step; phase_generator; phase_decode; phase_memory; phase_unsloth
       if have_vllm; then phase_trl_vllm; phase_vllm; else echo "=== trl-vllm, vllm: skipped (vLLM is not installed)"; fi
       phase_long; phase_example; phase_nonfinite ;;
-    *) echo "unknown phase '$phase'; phases: setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite all" >&2
-       exit 2 ;;
   esac
 done
 echo "=== results in $OUT_ROOT"

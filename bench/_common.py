@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the model shape, tokenizer, prompts and reward of issue 7."""
+"""Shared pieces of the benchmarks: the model shape, tokenizer, prompts and reward (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ MODEL_SHAPE: dict[str, Any] = {
     "use_sliding_window": False,
 }
 
-#: Qwen2.5 shapes (their real vocabularies) for the scale benchmarks (issue 12).
+#: Qwen2.5 shapes (their real vocabularies) for the scale benchmarks.
 SHAPES: dict[str, dict[str, Any]] = {
     "smol-vocab-0.4b": MODEL_SHAPE,
     "qwen2.5-0.5b": {
@@ -46,7 +46,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 #: The shape build_model() uses (bench scripts set it from --shape).
 ACTIVE_SHAPE = "smol-vocab-0.4b"
 
-#: The SmolLM2 tokenizer saved from the embedded GGUF (see bench/README in docs/performance.md).
+#: The SmolLM2 tokenizer saved from the embedded GGUF (``bash bench/gpu_suite.sh setup``, bench/README.md).
 TOKENIZER_DIR = Path(os.environ.get("BENCH_TOKENIZER", ".benchdata/tokenizer"))
 
 
@@ -149,4 +149,4 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def out_dir() -> Path:
-    return Path(os.environ.get("OUT", "bench_out"))
+    return Path(os.environ.get("OUT", "outputs/bench"))

@@ -1,5 +1,5 @@
 """GRPO step time and memory: this project's Engine vs TRL's GRPOTrainer, same process, same
-model shape and initial weights, tokenizer, prompts, reward and settings (issue 7).
+model shape and initial weights, tokenizer, prompts, reward and settings (bench/README.md).
 
     python bench/bench_grpo.py --tokens 256 --steps 4 --warmup 2
 

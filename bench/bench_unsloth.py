@@ -1,12 +1,11 @@
 """Unsloth's GRPO (``UnslothGRPOTrainer``, FastLanguageModel + LoRA) on the benchmark's workload,
-for issue 20's same-call memory comparison with ``bench/profile_memory.py``.
+for a memory comparison with ``bench/profile_memory.py`` on the same GPU.
 
-The recipe follows /work/shared/DEVICE.md, "Unsloth on the
-device": Unsloth 2026.10.9 with TRL 1.15.0 and datasets 4.8.5 (``make_unsloth_carry.sh``), the
-random model saved to an absolute path, ``fast_inference=False``, vLLM kept off ``PYTHONPATH``.
-Unsloth turns on ``mask_truncated_completions`` and ``epsilon_high: 0.28`` by itself in a DAPO
-config; compare it with ``profile_memory.py``'s ``mask-truncated`` variant (or read the values
-it prints from the trainer's final arguments).
+Run it with a Python whose environment holds Unsloth and no vLLM (measured with Unsloth
+2026.10.9, TRL 1.15.0 and datasets 4.8.5; bench/README.md), ``fast_inference=False``, the random
+model saved to an absolute path. Unsloth turns on ``mask_truncated_completions`` and
+``epsilon_high: 0.28`` by itself in a DAPO config; compare it with ``profile_memory.py``'s
+``mask-truncated`` variant (or read the values it prints from the trainer's final arguments).
 
     HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 UNSLOTH_DISABLE_STATISTICS=1 \\
         python bench/bench_unsloth.py --lora 16 --tokens 256 --rows 64 --steps 3 --warmup 1 \\
@@ -15,8 +14,8 @@ it prints from the trainer's final arguments).
 For long completions (7B shape, 16 x 8192) train one row per forward+backward, as this project's
 ``train_chunk_rows: 1`` does, and save the random model once for the LoRA and the QLoRA run::
 
-    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --save-only
-    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir /root/m7b --tokens 8192 --rows 16 \\
+    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir $PWD/outputs/bench/models/qwen2.5-7b --save-only
+    python bench/bench_unsloth.py --shape qwen2.5-7b --model-dir $PWD/outputs/bench/models/qwen2.5-7b --tokens 8192 --rows 16 \\
         --micro-rows 1 --steps 1 --warmup 0 [--load-in-4bit] --out $OUT/unsloth_7b.json
 
 Prints and writes: median step seconds after ``--warmup``, the peak of torch's allocator over

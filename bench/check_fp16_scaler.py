@@ -1,4 +1,4 @@
-"""GPU check of float16 training's gradient scaler (issue 12, item 6): its skip path runs.
+"""GPU check of float16 training's gradient scaler: its skip path runs.
 
 A float16 run whose scaler starts at 2**40 (torch's default is 2**16): the first steps' scaled
 gradients overflow, the scaler skips those optimizer steps and halves its scale until the

@@ -1,4 +1,4 @@
-"""Multi-GPU checks of the Engine (issue 18): DDP / FSDP equivalence with one process, and
+"""Multi-GPU checks of the Engine: DDP / FSDP equivalence with one process, and
 kill -9 + resume under FSDP. Each training run is a subprocess (torchrun for several processes).
 
     python bench/check_multi_gpu.py equivalence [--fsdp] [--shape qwen2.5-1.5b] [--steps 4]

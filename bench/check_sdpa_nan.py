@@ -1,4 +1,4 @@
-"""GPU check of issue 12's non-finite LoRA gradient: cuDNN attention's backward with left padding.
+"""GPU check of the non-finite LoRA gradient once seen under compiled layers: cuDNN attention's backward with left padding.
 
 One attention call shaped like a SmolLM2-135M layer (9 query heads, 3 key/value heads, head
 dim 64, bf16) over a left-padded batch (some query rows attend to nothing), the loss on the

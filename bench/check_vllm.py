@@ -1,4 +1,4 @@
-"""GPU check of the ``vllm`` generator on real vLLM (issue 13), all parts in one process.
+"""GPU check of the ``vllm`` generator on real vLLM, all parts in one process.
 
     python bench/check_vllm.py --out $OUT/check_vllm.json
 
@@ -101,7 +101,7 @@ def vllm_missing_message() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return (
             "vLLM is not installed in this environment: bench/check_vllm.py needs vLLM >= 0.10.2 on a CUDA GPU "
-            "(on the H200, vLLM 0.26.0 as /work/shared/DEVICE.md 'vLLM on the device' describes)"
+            "(measured with vLLM 0.26.0: pip install 'grpo-plugins[vllm]')"
         )
     import torch
 

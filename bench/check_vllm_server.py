@@ -1,4 +1,4 @@
-"""GPU check of the ``vllm`` generator's ``mode: server`` against a real ``vllm serve`` (issue 13).
+"""GPU check of the ``vllm`` generator's ``mode: server`` against a real ``vllm serve``.
 
     python bench/check_vllm_server.py --out $OUT/check_vllm_server.json
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     probe = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True, text=True)
     if probe.returncode != 0:
-        print("vLLM's server does not import here (carry vLLM and its serving wheels: uvicorn, uvloop, "
+        print("vLLM's server does not import here (install vLLM with its serving dependencies: uvicorn, uvloop, "
               f"prometheus-fastapi-instrumentator, ...):\n{probe.stderr[-2000:]}", file=sys.stderr)
         return 2
     import torch

@@ -1,11 +1,11 @@
-"""Issue 20's long-completion comparison from one driver folder (``bench/h200_session7.sh``,
-``bench/h200_session8.sh``): this project's ``mem7b_<variant>.json`` (``profile_memory.py``)
+"""The long-completion memory comparison from one folder (``bash bench/gpu_suite.sh long`` writes
+it): this project's ``mem7b_<variant>.json`` (``profile_memory.py``)
 against Unsloth's ``unsloth_7b*.json`` (``bench_unsloth.py``), or, for an Unsloth run stopped
 before its end, its ``*.progress.jsonl`` (the allocator's counters every 10 s: a lower bound of
 its peak). Process peaks come from ``nvidia_smi_apps.log`` (``pid, used_memory`` every 10 s),
 matched by the pid each script records.
 
-    python bench/compare_7b.py bench/results/2026-12-02-s7
+    python bench/compare_7b.py outputs/bench/DATE-COMMIT/long
 
 Prints one Markdown table; ``--json`` writes the rows too.
 """

@@ -1,4 +1,4 @@
-"""Find where a non-finite gradient is born (issue 12, item 1).
+"""Find where a non-finite gradient is born.
 
 Trains a config through the Engine and checks every micro-step's gradients. At the first
 micro-step that leaves a non-finite gradient it stops training and, on that exact micro-batch:

@@ -1,4 +1,4 @@
-"""Where the ``static`` generator's decode step spends its time (issue 12: generation is the
+"""Where the ``static`` generator's decode step spends its time (generation is the
 bottleneck; ~2 ms per token at 0.5B × 64 rows against a ~0.4 ms bandwidth floor).
 
 For each variant it builds the model, generates once (compiles, captures the graph), then:

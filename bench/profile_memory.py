@@ -1,4 +1,4 @@
-"""Where a GRPO step's GPU memory goes, phase by phase, for each memory setting (issue 20).
+"""Where a GRPO step's GPU memory goes, phase by phase, for each memory setting.
 
     python bench/profile_memory.py --shape smol-vocab-0.4b --lora 16 --tokens 256 --rows 64 \\
         --steps 3 --warmup 1 --variants default offload release all --out $OUT/mem_0.4b.json
@@ -24,8 +24,8 @@ Plus the steady parts, in bytes, counted from the tensors themselves: frozen bas
 (16-bit, or quantised storage and quantisation state), trainable weights, gradients at the end
 of the accumulation window, AdamW state, float32 master copies, the static generator's KV caches.
 Per optimizer step: the step's wall time and its phase times, to expose drift across steps at
-fixed shapes (issue 20: the eager LoRA training pass went 0.47 s -> 2.5 s between steps 2-3 and
-4-5); ``--torch-profile DIR`` writes the op tables of the first and last measured training
+fixed shapes (an eager LoRA training pass was once seen going from 0.47 s to 2.5 s between steps 2-3
+and 4-5); ``--torch-profile DIR`` writes the op tables of the first and last measured training
 pass, so a slower kernel (or more host time) shows by name; with ``--profile-slow FACTOR`` it
 profiles every measured pass instead and keeps the tables of each one slower than FACTOR x the
 median before it, next to those of the last normal pass (the drift is rare and comes unannounced). ``--snapshot DIR`` records the allocator history of the last measured step
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--shape", default="smol-vocab-0.4b",
-        help="model shape (default: Qwen2-0.5B's with SmolLM2's vocabulary, issue 20's): " + ", ".join(_common.SHAPES),
+        help="model shape (default: Qwen2-0.5B's with SmolLM2's vocabulary): " + ", ".join(_common.SHAPES),
     )
     parser.add_argument("--lora", type=int, default=16, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--tokens", type=int, default=256, help="completion tokens (sampled to the full length)")

@@ -1,4 +1,4 @@
-"""Where a GRPO step of this project's Engine spends its time and memory (issue 7 workload).
+"""Where a GRPO step of this project's Engine spends its time and memory (bench_grpo.py's workload).
 
     python bench/profile_step.py --tokens 256 --train-chunk-rows 16 --profile
 

@@ -1,4 +1,4 @@
-"""Where the ``vllm`` generator's time goes (issue 13): one engine, one shape, several ways of asking.
+"""Where the ``vllm`` generator's time goes: one engine, one shape, several ways of asking.
 
 The ``vllm`` generator was 2.7x slower than ``static`` at 0.5B x 256 (1.36 vs 0.51 s per
 generation, bench/RESULTS.md). This script starts the engine the way the generator does (our

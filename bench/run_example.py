@@ -1,6 +1,6 @@
 """Run an example config exactly as a user does (``grpo-plugins train CONFIG --set ...``) and
 summarise its ``metrics.jsonl``: step times, reward per window of steps, compile cost and
-recompilations, non-finite steps, peak memory (issue 12's "GPU example with defaults").
+recompilations, non-finite steps, peak memory.
 
     python bench/run_example.py examples/arithmetic_smollm2_lora_gpu.yaml --set max_steps=120 \
         --name lora-defaults

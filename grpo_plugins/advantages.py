@@ -1,4 +1,4 @@
-"""From per-reward scores to one advantage per completion (SPEC §6).
+"""From per-reward scores to one advantage per completion (docs/objective.md).
 
 Rows are completions, columns are reward functions; NaN means "reward not applicable" (a reward
 returned None). Groups are ``num_generations`` consecutive rows. The reward scaling (group,
@@ -119,7 +119,7 @@ def compute_advantages(
     multi_objective_aggregation: str = "sum_then_normalize",
     registry: Registry | None = None,
 ) -> Tensor:
-    """One advantage per completion from the scores of every reward (SPEC §6).
+    """One advantage per completion from the scores of every reward (docs/objective.md).
 
     Args:
         rewards_per_func: (N, K) scores, NaN where a reward returned None; groups are

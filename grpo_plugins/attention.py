@@ -6,7 +6,7 @@ with a mask, and its backward returns NaN in the query gradient when the sequenc
 left-padding row of a padded batch (pytorch/pytorch#196678). The forward and the loss stay
 finite; the NaN appears in the LoRA/weight gradients of the top layer and spreads down. It hit
 the GPU example at a 192-column micro-batch: compiled layers pad lengths to a multiple of 8, so
-such lengths come up often (bench/RESULTS.md, "the non-finite LoRA gradient"). The training and
+such lengths come up often (bench/RESULTS.md, "GPU numerics checks"). The training and
 log-prob passes therefore run with cuDNN attention switched off (flash, memory-efficient and
 math stay on); generation is forward-only and is not affected.
 """

@@ -55,7 +55,7 @@ class Step:
     """One micro-step of a generation cycle, seen from one process.
 
     Attributes:
-        step: index of the micro-step within its cycle (0-based, as in the seed's tables).
+        step: index of the micro-step within its cycle (0-based, as ``grpo-plugins plan`` numbers them).
         batch: for each completion of the micro-batch, the index of its prompt (in dataset order
             within the run, counting on across cycles).
         optimizer_update: whether the optimizer steps after this micro-step.
@@ -131,10 +131,6 @@ class BatchPlan:
         first = cycle * self.unique_prompts
         return [first + c // self.num_generations for c in range(self.effective_batch_size)]
 
-    def cycle_prompts(self, cycle: int) -> range:
-        """The prompts (dataset order within the run) that cycle ``cycle`` generates for."""
-        return range(cycle * self.unique_prompts, (cycle + 1) * self.unique_prompts)
-
     def cycle(self, cycle: int, process: int = 0) -> list[Step]:
         """The micro-steps of generation cycle ``cycle`` as process ``process`` runs them."""
         if cycle < 0:
@@ -155,7 +151,7 @@ class BatchPlan:
         return steps
 
     def to_json(self, cycles: int = 2, process: int = 0) -> dict[str, Any]:
-        """The plan as ``grpo-plugins plan --json`` prints it (SPEC §5), for ``process``."""
+        """The plan as ``grpo-plugins plan --json`` prints it (docs/cli.md), for ``process``."""
         return {
             "effective_batch_size": self.effective_batch_size,
             "optimizer_steps_per_generation": self.optimizer_steps_per_generation,

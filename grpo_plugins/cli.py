@@ -666,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_positive_int, metavar="N")
     p.add_argument("--cycles", type=_positive_int, default=2, help="generation cycles to show (default 2)")
     p.add_argument("--process", type=int, default=None, help="show this process (default: all; JSON: 0)")
-    p.add_argument("--json", action="store_true", help="the JSON shape of SPEC section 5")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (its shape: docs/cli.md)")
     p.set_defaults(func=cmd_plan)
 
     p = command("train", "run GRPO training")

@@ -450,10 +450,6 @@ class GRPOConfig(_Strict):
     # -- resolved values ----------------------------------------------------------------------------
 
     @property
-    def epsilon_low(self) -> float:
-        return self.epsilon
-
-    @property
     def resolved_epsilon_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
@@ -509,7 +505,7 @@ CONFIG_SECTIONS: dict[str, str] = {
 
 # -- loading: YAML, --set overrides, readable errors -------------------------------------------
 
-#: The seed's aliases of two fields (see ``GRPOConfig._aliases``).
+#: Short aliases of two batch fields (see ``GRPOConfig._aliases``).
 SEED_ALIASES = ("train_batch_size", "gradient_accumulation")
 
 

@@ -1,4 +1,4 @@
-"""The GRPO training loop on accelerate (SPEC §5, §8), read as a recipe: setup, the loop, save.
+"""The GRPO training loop on accelerate (docs/engine.md), read as a recipe: setup, the loop, save.
 
 One implementation behind two entry points: ``run_training(config)`` (the ``grpo-plugins
 train`` command) and ``Engine(config, model=..., tokenizer=..., rewards=[...], dataset=...)``

@@ -1,4 +1,4 @@
-"""Training metrics: the per-step statistics of SPEC §6 and where they are written.
+"""Training metrics: the per-step statistics (docs/engine.md) and where they are written.
 
 :func:`reward_metrics` and :func:`completion_metrics` turn a gathered generation batch into
 TRL-named metrics; :class:`MetricsWriter` sends each logged step to the console (a rich progress

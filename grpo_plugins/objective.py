@@ -1,4 +1,4 @@
-"""The clipped policy-gradient objective of GRPO as a pure tensor function (SPEC §6).
+"""The clipped policy-gradient objective of GRPO as a pure tensor function (docs/objective.md).
 
 :func:`compute_loss` wires together three components looked up in the registry by the names in
 its settings -- an importance-sampling level, a loss type and (when on) a rollout correction --
@@ -282,7 +282,7 @@ def compute_loss(
     entropy_pool: Tensor | None = None,
     **settings: Any,
 ) -> tuple[Tensor, LossMetrics]:
-    """The GRPO loss of one micro-batch and its metrics (SPEC §6; TRL 1.x's definitions).
+    """The GRPO loss of one micro-batch and its metrics (docs/objective.md; TRL 1.x's definitions).
 
     Args:
         per_token_logps: (B, T) log-probs of the completion tokens under the current policy

@@ -71,10 +71,6 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: any(v == x and type(v) is type(x) or (v is None and x is None) for x in values)
 
 
-def _falsy(v: Any) -> bool:
-    return v in (None, False, 0, "", [], {})
-
-
 def _component_name(value: Any) -> str | None:
     if isinstance(value, str):
         return value.split(":")[-1]
@@ -89,15 +85,6 @@ def _uses_vllm(data: Mapping[str, Any]) -> bool:
     if generator is not None:
         return _component_name(generator) == "vllm"
     return bool(data.get("fast_inference")) or bool(data.get("use_vllm"))
-
-
-def _to(path: str, describe: str | None = None) -> Callable[[Any, Mapping[str, Any]], Translation]:
-    """Set ``path`` to the value, always."""
-
-    def translate(value: Any, data: Mapping[str, Any]) -> Translation:
-        return {path: value}, f"{describe or path}: {value!r}"
-
-    return translate
 
 
 def _component_param(field: str, component: str, param: str, default: Any) -> Callable[[Any, Mapping[str, Any]], Translation]:

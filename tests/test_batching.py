@@ -1,4 +1,4 @@
-"""The batch planner: SPEC §5's formulas, the seed's four examples, and the rules' errors."""
+"""The batch planner: its formulas (docs/cli.md, "plan"), four worked examples, and the rules' errors."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_example_4_two_groups_per_micro_batch():
     assert batches(plan, 1) == [([4, 4, 4, 5, 5, 5], N), ([6, 6, 6, 7, 7, 7], U)]
 
 
-def test_to_json_has_the_spec_shape():
+def test_to_json_has_the_documented_shape():
     data = make_plan(3, 2, 3, steps_per_generation=4).to_json(cycles=1)
     assert data["effective_batch_size"] == 12
     assert data["optimizer_steps_per_generation"] == 2
@@ -105,7 +105,7 @@ def test_every_completion_is_trained_once_per_iteration(procs: int, mu: int):
     for p in range(procs):
         for step in plan.cycle(2, p):
             seen.update(step.batch)
-    expected = {plan.cycle_prompts(2)[0] + i: plan.num_generations * mu for i in range(plan.unique_prompts)}
+    expected = {2 * plan.unique_prompts + i: plan.num_generations * mu for i in range(plan.unique_prompts)}  # cycle 2's prompts
     assert dict(seen) == expected
     updates = sum(s.optimizer_update for s in plan.cycle(0))
     assert updates == plan.optimizer_steps_per_generation

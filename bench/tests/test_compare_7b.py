@@ -1,4 +1,4 @@
-"""bench/compare_7b.py: issue 20's 7B table from one driver folder, with an Unsloth run that was
+"""bench/compare_7b.py: the 7B memory table from one folder of results, with an Unsloth run that was
 stopped early reported as a lower bound from its progress log."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

@@ -275,6 +275,10 @@ class GRPOConfig(_Strict):
         ge=1,
         description="Rows per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. Less activation memory; None: the whole micro-batch at once.",
     )
+    group_by_length: bool = Field(
+        True,
+        description="Sort a micro-step's rows by length and split them where that saves padding (at most train_chunk_rows rows a pass), each pass cut to its own longest row: a training pass costs about its real tokens, not rows x the longest completion. Same loss and gradient up to float rounding. Off with top_entropy_quantile < 1 (its quantile is per pass).",
+    )
 
     # -- evaluation -----------------------------------------------------------------------------
     eval_dataset: DatasetSpec | None = Field(None, description="Prompts to evaluate on (grpo-plugins eval, and during training); None: the task's held-out split.")

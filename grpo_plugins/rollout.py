@@ -145,16 +145,18 @@ def accumulation_windows(steps: Sequence[Step]) -> list[int]:
     return out
 
 
-def trim_padding(input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int = 1) -> tuple[Tensor, Tensor, int]:
+def trim_padding(
+    input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int = 1, min_t: int = 1
+) -> tuple[Tensor, Tensor, int]:
     """Drop prompt columns that are padding in every row and completion columns past the longest
-    completion; returns (ids, mask, kept completion length t >= 1).
+    completion; returns (ids, mask, kept completion length t >= min_t).
 
     ``multiple``: keep (or add) left padding so the length is a multiple of it. Compiled layers
     use 8: SDPA's fused kernels need the mask's rows 16-byte aligned, and torch.compile guards on
     that divisibility, so lengths that break it would compile a second graph."""
     P = input_ids.shape[1] - T
     comp = attention_mask[:, P:]  # (B, T)
-    t = max(1, int(comp.sum(1).max()) if comp.numel() else 1)
+    t = min(T, max(min_t, int(comp.sum(1).max()) if comp.numel() else 1))
     prompt_any = attention_mask[:, :P].any(0)  # (P,)
     first = int(prompt_any.float().argmax()) if bool(prompt_any.any()) else P
     first = min(first, max(P - 1, 0))

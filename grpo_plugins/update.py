@@ -129,18 +129,33 @@ class PolicyUpdate:
         ``window``."""
         from grpo_plugins.logprobs import completion_logps
         from grpo_plugins.objective import compute_loss
-        from grpo_plugins.row_chunks import ChunkedReduction, row_chunks
+        from grpo_plugins.row_chunks import ChunkedReduction, length_chunks
 
         acc, cfg, policy = self.accelerator, self.config, self.policy
         r = step.rows
         T = rollout.loss_mask.shape[1]
         ids, att, t = trim_padding(rollout.input_ids[r], rollout.attention_mask[r], T, policy.multiple)  # (B, P'+t)
+        P = ids.shape[1] - t
+        lengths = att.sum(1)  # (B,)
+        completion = att[:, P:].sum(1)  # (B,)
+        order, chunks = length_chunks(
+            (lengths - completion).tolist(), completion.tolist(), cfg.train_chunk_rows,
+            # The quantile of top_entropy_quantile is taken over the rows of one pass.
+            split=cfg.group_by_length and cfg.top_entropy_quantile >= 1.0,
+        )
+        rows = torch.as_tensor(order, device=ids.device) if order != sorted(order) else None
+        if rows is not None:  # longest first, so that each chunk is cut to its own length
+            ids, att = ids[rows], att[rows]
         mask = rollout.loss_mask[r, :t]  # (B, t)
         advantages = rollout.advantages[r]  # (B,)
-        chunks = row_chunks(mask.shape[0], cfg.train_chunk_rows)
+        if rows is not None:
+            mask, advantages = mask[rows], advantages[rows]
 
-        def cut(x: Tensor | None, c: slice) -> Tensor | None:
-            return None if x is None else x[r, :t][c]
+        def cut(x: Tensor | None, c: slice, width: int) -> Tensor | None:
+            if x is None:
+                return None
+            x = x[r, :t]
+            return (x[rows] if rows is not None else x)[c, :width]
 
         losses: list[Tensor] = []
         metrics: list[LossMetrics] = []
@@ -156,21 +171,26 @@ class PolicyUpdate:
             settings = {**self.loss_settings, "entropy_coef": coef}
             if len(chunks) > 1:
                 settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
+            if len(chunks) > 1:  # the chunk cut to its own longest prompt and completion
+                chunk_ids, chunk_att, w = trim_padding(ids[c], att[c], t, policy.multiple, min_t=min(2, t))
+            else:
+                chunk_ids, chunk_att, w = ids, att, t
+            chunk_mask = mask[c, :w]  # (b, w)
             # Backward inside layers() too: activation checkpointing recomputes the layers then.
             with sync, policy.layers():
                 with acc.autocast():
                     logps, entropy = completion_logps(
-                        policy.model, ids[c], att[c], t, temperature=cfg.temperature,
+                        policy.model, chunk_ids, chunk_att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy, chunk_fn=policy.chunk_fn,
-                    )  # (b, t) (b, t)
-                    pool = self._entropy_pool(entropy, mask[c]) if cfg.top_entropy_quantile < 1.0 else None
+                    )  # (b, w) (b, w)
+                    pool = self._entropy_pool(entropy, chunk_mask) if cfg.top_entropy_quantile < 1.0 else None
                     loss, chunk_metrics = compute_loss(
                         logps,
-                        cut(rollout.old_logps, c),
+                        cut(rollout.old_logps, c, w),
                         advantages[c],
-                        mask[c],
-                        ref_per_token_logps=cut(rollout.ref_logps, c),
-                        sampling_per_token_logps=cut(rollout.sampling_logps, c),
+                        chunk_mask,
+                        ref_per_token_logps=cut(rollout.ref_logps, c, w),
+                        sampling_per_token_logps=cut(rollout.sampling_logps, c, w),
                         num_items_in_batch=window_items,
                         num_processes=acc.num_processes,
                         gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
@@ -181,7 +201,7 @@ class PolicyUpdate:
                 acc.backward(loss)
             assert entropy is not None
             with torch.no_grad():
-                ent_sum = ent_sum + (entropy.detach().float() * mask[c]).sum()
+                ent_sum = ent_sum + (entropy.detach().float() * chunk_mask).sum()
             losses.append(loss.detach().float())
             metrics.append(chunk_metrics)
         merged = metrics[0] if len(metrics) == 1 else LossMetrics.merge(metrics)

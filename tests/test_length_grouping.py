@@ -1,0 +1,170 @@
+"""group_by_length: a micro-step's rows sorted by length, split where padding is saved, each
+pass cut to its own longest row; the loss and gradient stay the whole micro-batch's."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from grpo_plugins.engine import Engine
+from grpo_plugins.models import load_model
+from grpo_plugins.objective import LossMetrics, compute_loss
+from grpo_plugins.registry import get_registry
+from grpo_plugins.row_chunks import ChunkedReduction, length_chunks
+from grpo_plugins.testing import ScriptedGenerator, registered_component
+
+
+def _median_300_of_1024(rows: int, seed: int = 0) -> list[int]:
+    """Completion lengths with a long tail: median about 300, a few rows at the 1024 cap."""
+    rng = random.Random(seed)
+    return [min(1024, max(8, int(rng.lognormvariate(5.7, 0.6)))) for _ in range(rows)]
+
+
+def _cost(prompts: list[int], completions: list[int], order: list[int], chunks: list[slice]) -> int:
+    """Tokens the passes process: each chunk's rows x its longest prompt + longest completion."""
+    total = 0
+    for c in chunks:
+        rows = order[c]
+        total += len(rows) * (max(prompts[i] for i in rows) + max(completions[i] for i in rows))
+    return total
+
+
+def test_equal_lengths_stay_one_pass_in_their_order() -> None:
+    assert length_chunks([5] * 8, [40] * 8, None, split=True) == (list(range(8)), [slice(0, 8)])
+    assert length_chunks([5] * 8, [40] * 8, None, split=False) == (list(range(8)), [slice(0, 8)])
+
+
+def test_varied_lengths_cost_about_their_real_tokens() -> None:
+    completions = _median_300_of_1024(64)
+    prompts = [60] * 64
+    real = sum(p + c for p, c in zip(prompts, completions))
+    padded = 64 * (60 + max(completions))
+    order, chunks = length_chunks(prompts, completions, None, split=True)
+    assert sorted(order) == list(range(64))
+    assert [completions[i] for i in order] == sorted(completions, reverse=True)
+    assert [c.start for c in chunks][1:] == [c.stop for c in chunks][:-1] and chunks[-1].stop == 64
+    assert all(c.stop - c.start >= 2 for c in chunks)
+    cost = _cost(prompts, completions, order, chunks)
+    assert cost <= 1.15 * real  # within 15 % of the real tokens ...
+    assert cost <= 0.45 * padded  # ... and under half of the padded micro-batch
+    assert 2 <= len(chunks) <= 12
+
+
+def test_train_chunk_rows_caps_every_pass() -> None:
+    completions = _median_300_of_1024(32, seed=1)
+    order, chunks = length_chunks([10] * 32, completions, 5, split=True)
+    assert all(2 <= c.stop - c.start <= 5 for c in chunks)
+    order, chunks = length_chunks([10] * 32, completions, 5, split=False)
+    assert [c.stop - c.start for c in chunks] == [5] * 6 + [2]
+    assert [completions[i] for i in order] == sorted(completions, reverse=True)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", get_registry().names("loss_type"))
+def test_narrower_chunks_reduce_to_the_whole_batch(loss_type: str, level: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    B, T = 8, 9
+    lengths = [9, 8, 8, 6, 5, 3, 2, 0]  # sorted, longest first; the last row is empty
+    mask = torch.zeros(B, T, dtype=torch.float64)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1.0
+    mask[2, 1] = 0.0  # a masked token inside a row
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
+    logps = (old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).requires_grad_()
+    ref = old + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    sampling = old + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(B, generator=gen, dtype=torch.float64)
+    settings: dict[str, Any] = dict(
+        importance_sampling_level=level, beta=0.05, max_completion_length=T,
+        vllm_importance_sampling_correction=True, num_items_in_batch=mask.sum() * 2 + 5,
+        gradient_accumulation_steps=2, num_processes=1,
+    )
+    inner = get_registry().build("loss_type", loss_type)
+    whole, whole_metrics = compute_loss(
+        logps, old, advantages, mask, ref_per_token_logps=ref, sampling_per_token_logps=sampling,
+        loss_type=inner, **settings,
+    )
+    (whole_grad,) = torch.autograd.grad(whole, logps)
+    parts = []
+    for rows, width in ((slice(0, 3), 9), (slice(3, 5), 6), (slice(5, 8), 3)):
+        parts.append(compute_loss(
+            logps[rows, :width], old[rows, :width], advantages[rows], mask[rows, :width],
+            ref_per_token_logps=ref[rows, :width], sampling_per_token_logps=sampling[rows, :width],
+            loss_type=ChunkedReduction(inner, mask, advantages, rows), **settings,
+        ))
+    total = sum(p[0] for p in parts)
+    (chunked_grad,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked_grad, whole_grad, rtol=1e-12, atol=1e-12)
+    assert whole_grad.abs().sum() > 0
+    merged = LossMetrics.merge(p[1] for p in parts)
+    # Metrics are summed in float32 over other row sets: equal to float32 rounding.
+    assert dict(merged) == pytest.approx(dict(whole_metrics), rel=1e-6, abs=1e-7)
+
+
+# -- the engine: completions of very different lengths, grouped or not ---------------------------
+
+PROMPTS = [{"prompt": p} for p in ["ab", "cd", "ef", "gh"]]
+
+
+def _reply(prompt: str) -> str:
+    """Four completions per prompt of 1 to ~30 characters, different for each prompt."""
+    _reply.count += 1  # type: ignore[attr-defined]
+    return "xyz" * (1 + (_reply.count * 7) % 10)  # type: ignore[attr-defined]
+
+
+def _score(completions: list[Any], **kwargs: Any) -> list[float]:
+    return [float(len(c) % 5) for c in completions]
+
+
+class _GradEngine(Engine):
+    def _optimizer_step(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self.grads.append([p.grad.detach().clone() for p in self.trainable])
+        return super()._optimizer_step(*args, **kwargs)
+
+
+def _train(tiny_model: dict, tmp_path: Path, grouped: bool) -> tuple[list, list[tuple[int, int]]]:
+    _reply.count = 0  # type: ignore[attr-defined]
+    model, tok = load_model(tiny_model, dtype="float32", seed=0)
+    shapes: list[tuple[int, int]] = []  # (rows, columns) of every forward that builds a graph
+
+    def record(module: Any, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            shapes.append(tuple(kwargs["input_ids"].shape))
+
+    model.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+
+    class Scripted(ScriptedGenerator):
+        def __init__(self) -> None:
+            super().__init__(_reply)
+
+    config = {
+        "model": tiny_model, "task": None, "output_dir": str(tmp_path / f"out-{grouped}"),
+        "max_steps": 2, "per_device_train_batch_size": 16, "num_generations": 4,
+        "max_completion_length": 40, "learning_rate": 1e-3, "report_to": [], "seed": 0,
+        "generator": "lengths", "group_by_length": grouped,
+    }
+    with registered_component("generator", Scripted, "lengths"):
+        engine = _GradEngine(config, model=model, tokenizer=tok, rewards=[_score], dataset=PROMPTS)
+        engine.grads = []
+        engine.train()
+    return engine.grads, shapes
+
+
+def test_grouped_passes_are_narrower_and_give_the_same_gradient(tiny_model: dict, tmp_path: Path) -> None:
+    whole_grads, whole_shapes = _train(tiny_model, tmp_path, grouped=False)
+    grouped_grads, grouped_shapes = _train(tiny_model, tmp_path, grouped=True)
+    assert [rows for rows, _ in whole_shapes] == [16, 16]  # one pass per step
+    assert len(grouped_shapes) > 2  # split ...
+    for step in range(2):  # ... into passes that process fewer tokens in all
+        whole_tokens = whole_shapes[step][0] * whole_shapes[step][1]
+        assert sum(r * c for r, c in grouped_shapes) < 2 * whole_tokens * 0.9
+    for step_whole, step_grouped in zip(whole_grads, grouped_grads, strict=True):
+        scale = max(g.abs().max().item() for g in step_whole)
+        assert scale > 0
+        for a, b in zip(step_whole, step_grouped, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale)

@@ -238,6 +238,25 @@ def test_disable_env_skips_a_distribution(site: Path, monkeypatch: pytest.Monkey
     assert Registry(disabled=["dist_two"]).get("reward", "shared_score").distribution == "dist-one"
 
 
+def test_a_component_of_a_disabled_plugin_is_reported_as_disabled_not_unknown(site: Path, monkeypatch: pytest.MonkeyPatch):
+    make_distribution(site, "dist-one", "1.0", {"dis_one_j": reward_plugin("only_here")})
+    _forget_modules(monkeypatch, "dis_one_j")
+    registry = Registry(disabled=["dist_one"])
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("reward", "dist-one:only_here")  # a disabled distribution's name is never imported
+    assert str(info.value) == (
+        "reward 'dist-one:only_here': distribution 'dist-one' is disabled (GRPO_PLUGINS_DISABLE or the "
+        "config's disable_plugins); enable it to use its reward 'only_here'"
+    )
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("reward", "only_here")
+    assert (
+        "Note: plugin 'dis_one_j' from dist-one 1.0 is disabled (GRPO_PLUGINS_DISABLE or the config's "
+        "disable_plugins); it may provide 'only_here'."
+    ) in str(info.value)
+    assert "dis_one_j" not in sys.modules  # disabled: not even imported
+
+
 @pytest.mark.slow
 def test_pip_installed_distribution_is_listed(tmp_path: Path):
     project = tmp_path / "project"

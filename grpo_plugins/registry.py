@@ -387,10 +387,12 @@ class Registry:
         close = difflib.get_close_matches(bare, names, n=3, cutoff=0.6)
         msg = f"unknown {kind} '{name}'" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
         msg += f" Installed {kind} names: {', '.join(names) if names else '(none)'}."
+        if dist:
+            msg += f" ('{dist}' is an installed distribution; to import from a module of that name, write '{dist}.{bare}'.)"
         for b in self._plugins.broken:
             msg += f" Note: plugin '{b.plugin}' from {b.distribution} {b.version or ''} failed to load ({b.error}); it may provide '{name}'."
-        for s in self._plugins.disabled:
-            msg += f" Note: plugin '{s.plugin}' from {s.distribution} {s.version or ''} is disabled ({disabled}); it may provide '{name}'."
+        for dist in dict.fromkeys(f"{o.distribution} {o.version or ''}".strip() for o in self._plugins.disabled):
+            msg += f" Note: {dist} is disabled ({disabled}); it may provide '{name}'."
         return msg
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from grpo_plugins import compute_loss
 from grpo_plugins.kinds import Environment, Generator, GroupFilter, LossType, Task
-from grpo_plugins.registry import ComponentImportError, Registry, resolve_component
+from grpo_plugins.registry import ComponentImportError, Registry, UnknownComponentError, resolve_component
 from grpo_plugins.validation import check_config
 
 HERE = __name__  # the module as the config names it (tests/ is on sys.path)
@@ -167,3 +167,5 @@ def test_a_known_distribution_is_never_imported() -> None:
     registry.register("loss_type", "HalfMean", LossType, distribution="json")
     assert registry.get("loss_type", "json:HalfMean").obj is LossType  # not the module json
     assert registry.get("loss_type", f"{HERE}:HalfMean").obj is HalfMean
+    with pytest.raises(UnknownComponentError, match=r"to import from a module of that name, write 'json\.dumps'"):
+        registry.get("loss_type", "json:dumps")

@@ -13,33 +13,36 @@ distributions (or entry points).
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from grpo_plugins.config_errors import validate_params
+from grpo_plugins.components import (
+    IMPORT_DISTRIBUTION,
+    Component,
+    ComponentBuildError,
+    ComponentImportError,
+    ComponentParamsError,
+    UnknownComponentError,
+    import_component,
+    make_component,
+)
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.kinds import KINDS
 from grpo_plugins.plugins import BrokenPlugin, Origin, PluginLoadError, Plugins, normalize_distribution
 
+__all__ = [  # with what the registry's users import from here (defined in components and plugins)
+    "IMPORT_DISTRIBUTION", "LOCAL_DISTRIBUTION", "BrokenPlugin", "Component", "ComponentBuildError",
+    "ComponentImportError", "ComponentParamsError", "ComponentSpecError", "DuplicateComponentError",
+    "PluginLoadError", "Registry", "UnknownComponentError", "get_registry", "normalize_distribution",
+    "register", "registry_for", "resolve_component", "set_registry",
+]
+
 LOCAL_DISTRIBUTION = "<local>"  # registered in-process (decorators, Registry.register)
-IMPORT_DISTRIBUTION = "<import>"  # named by an import path
-
-
-class UnknownComponentError(GRPOPluginsError, LookupError):
-    """No component of that kind has that name."""
-
-
-class ComponentImportError(UnknownComponentError):
-    """An import path that does not import, or does not name a component."""
 
 
 class DuplicateComponentError(GRPOPluginsError, LookupError):
@@ -48,139 +51,6 @@ class DuplicateComponentError(GRPOPluginsError, LookupError):
 
 class ComponentSpecError(GRPOPluginsError, ValueError):
     """A component given in a form that names no component (a malformed mapping, None)."""
-
-
-class ComponentBuildError(GRPOPluginsError):
-    """A component's constructor raised (a bug or an unmet requirement in its plugin)."""
-
-
-class ComponentParamsError(GRPOPluginsError, ValueError):
-    """A component's parameters do not validate against its params model."""
-
-    def __init__(self, message: str, errors: list[tuple[str, str]]):
-        super().__init__(message)
-        self.errors = errors  # (dotted path inside params, message)
-
-
-@dataclass(frozen=True)
-class Component:
-    """One registered component: what it is, where it comes from, how to build it."""
-
-    kind: str
-    name: str
-    obj: Any
-    distribution: str
-    version: str | None
-    plugin: str  # the entry point or plugin that registered it, or the import path
-    doc: str
-
-    @property
-    def qualified_name(self) -> str:
-        return f"{self.distribution}:{self.name}"
-
-    @property
-    def origin(self) -> str:
-        """``reward 'x' from acme-rewards 1.2`` (``reward 'pkg.mod:x'`` for an import path): what it
-        is and where it comes from."""
-        if self.distribution == IMPORT_DISTRIBUTION:
-            return f"{self.kind} '{self.plugin}'"
-        return f"{self.kind} '{self.name}' from {self.distribution}" + (f" {self.version}" if self.version else "")
-
-    @property
-    def params_model(self) -> type[BaseModel] | None:
-        return getattr(self.obj, "Params", None) if inspect.isclass(self.obj) else None
-
-    def params_schema(self) -> dict[str, Any] | None:
-        return self.params_model.model_json_schema() if self.params_model is not None else None
-
-    def validate_params(self, params: dict[str, Any] | BaseModel | None) -> BaseModel | None:
-        """Validate ``params`` against the component's params model (None if it has none)."""
-        model, params = self.params_model, params or {}
-        if model is not None and isinstance(params, model):
-            return params
-        if isinstance(params, BaseModel):
-            params = params.model_dump()
-        if model is None:
-            if params:
-                keys = ", ".join(map(str, params))
-                raise ComponentParamsError(f"{self.origin} takes no params (got {keys})", [(str(next(iter(params))), "this component takes no params")])
-            return None
-        validated, errors = validate_params(model, params)
-        if errors:
-            detail = "; ".join(f"{p}: {m}" if p else m for p, m in errors)
-            raise ComponentParamsError(f"{self.origin} params: {detail}", errors)
-        return validated
-
-    def build(self, params: dict[str, Any] | BaseModel | None = None) -> Any:
-        """The ready-to-use component: ``cls(params)``, ``cls()``, or the object itself."""
-        validated = self.validate_params(params)
-        if not inspect.isclass(self.obj):
-            return self.obj
-        try:
-            return self.obj(validated) if validated is not None else self.obj()
-        except GRPOPluginsError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the plugin's constructor raises
-            raise ComponentBuildError(f"building {self.origin} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def make_component(kind: str, origin: Origin, obj: Any, name: str | None = None, doc: str | None = None) -> Component:
-    """A :class:`Component`, checked: a name without ``:``, a class or a callable, ``Params`` (if
-    any) a pydantic model; ``doc`` defaults to the docstring's first paragraph."""
-    name = name or getattr(obj, "name", None) or getattr(obj, "__name__", None)
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"cannot register {obj!r} as a {kind}: give it a name")
-    if ":" in name:
-        raise ValueError(f"{kind} name '{name}' must not contain ':'")
-    params = getattr(obj, "Params", None) if inspect.isclass(obj) else None
-    if params is not None and not (inspect.isclass(params) and issubclass(params, BaseModel)):
-        raise TypeError(f"{kind} '{name}': Params must be a pydantic BaseModel subclass")
-    if not callable(obj):
-        raise TypeError(f"{kind} '{name}' must be a class or a callable, got {type(obj).__name__}")
-    doc = doc if doc is not None else (inspect.getdoc(obj) or "").strip().split("\n\n")[0].replace("\n", " ")
-    return Component(kind, name, obj, origin.distribution, origin.version, origin.plugin, doc)
-
-
-def _import_module(name: str) -> Any:
-    """``importlib.import_module``, also finding a module in the current folder (after everything
-    installed): ``python -m`` puts it on the path, the ``grpo-plugins`` command does not, and a
-    file next to the config is the common case."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        top, here = name.partition(".")[0], os.getcwd()
-        if exc.name != top or here in sys.path or "" in sys.path or not (
-            Path(here, top).is_dir() or Path(here, f"{top}.py").is_file()
-        ):
-            raise
-        sys.path.append(here)
-        return importlib.import_module(name)
-
-
-def import_component(kind: str, path: str) -> Component:
-    """The component an import path names: ``package.module:Attr`` (``Attr`` may be dotted:
-    ``Class.method``) or ``package.module.Attr``."""
-    module_name, colon, attr = path.partition(":")
-    if not colon:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ComponentImportError(f"{kind} import path '{path}' must look like 'package.module:name'")
-    try:
-        obj = _import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - whatever importing the user's module raises
-        raise ComponentImportError(
-            f"{kind} '{path}': cannot import module '{module_name}' ({type(exc).__name__}: {exc}); it is "
-            f"neither a registered {kind} (see grpo-plugins list) nor an importable 'module:attr' path"
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ComponentImportError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    try:
-        name = getattr(obj, "__name__", None) or attr.rpartition(".")[2]
-        return make_component(kind, Origin(path, IMPORT_DISTRIBUTION), obj, name)
-    except (TypeError, ValueError) as exc:
-        raise ComponentImportError(f"{kind} '{path}': {exc}") from None
 
 
 class Registry:
@@ -212,15 +82,22 @@ class Registry:
         if self._loaded:
             return
         self._loaded = True
+        if not self._discover:
+            return
         try:
-            for component in self._plugins.load_entry_points(self.disabled, make_component) if self._discover else ():
+            for component in self._plugins.load_entry_points(self.disabled, make_component):
                 self._add(component)
         except PluginLoadError:  # strict mode: keep nothing, and fail again on the next use
             self._clear()
             raise
 
     def add_plugin(
-        self, plugin: object, *, name: str | None = None, distribution: str = LOCAL_DISTRIBUTION, version: str | None = None
+        self,
+        plugin: object,
+        *,
+        name: str | None = None,
+        distribution: str = LOCAL_DISTRIBUTION,
+        version: str | None = None,
     ) -> None:
         """Register a plugin (a module, or any object with ``@hookimpl`` functions) and run its
         registration hooks now. Errors mark it broken instead of raising (unless strict)."""
@@ -260,7 +137,8 @@ class Registry:
         """Remove a component (all distributions' entries for the name unless one is given)."""
         self._check_kind(kind)
         self._load()
-        kept = [c for c in self._components[kind].pop(name, []) if distribution is not None and c.distribution != distribution]
+        entries = self._components[kind].pop(name, [])
+        kept = [c for c in entries if distribution is not None and c.distribution != distribution]
         if kept:
             self._components[kind][name] = kept
 
@@ -326,7 +204,8 @@ class Registry:
         if not colon:
             return "." in name and name not in self._components[kind]
         known = [*self.components(), *self._plugins.broken, *self._plugins.disabled]
-        return normalize_distribution(dist) not in {normalize_distribution(o.distribution) for o in known} | self.disabled
+        distributions = {normalize_distribution(o.distribution) for o in known} | self.disabled
+        return normalize_distribution(dist) not in distributions
 
     def get(self, kind: str, name: str) -> Component:
         """The component of ``kind`` named ``name``, ``distribution:name``, or by an import path
@@ -379,7 +258,7 @@ class Registry:
         dist, _, bare = name.rpartition(":")
         disabled = "GRPO_PLUGINS_DISABLE or the config's disable_plugins"
         if dist and normalize_distribution(dist) in self.disabled:
-            return f"{kind} '{name}': distribution '{dist}' is disabled ({disabled}); enable it to use its {kind} '{bare}'"
+            return f"{kind} '{name}': distribution '{dist}' is disabled ({disabled}); enable it to use '{bare}'"
         renamed = [c for c in self.components(kind) if bare in getattr(c.obj, "former_names", ())]
         if renamed:
             return f"{kind} '{name}' has been renamed to '{renamed[0].name}' ({renamed[0].origin}); use the new name"
@@ -388,9 +267,10 @@ class Registry:
         msg = f"unknown {kind} '{name}'" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
         msg += f" Installed {kind} names: {', '.join(names) if names else '(none)'}."
         if dist:
-            msg += f" ('{dist}' is an installed distribution; to import from a module of that name, write '{dist}.{bare}'.)"
+            msg += f" ('{dist}' is a distribution; to import from a module of that name, write '{dist}.{bare}'.)"
         for b in self._plugins.broken:
-            msg += f" Note: plugin '{b.plugin}' from {b.distribution} {b.version or ''} failed to load ({b.error}); it may provide '{name}'."
+            where = f"{b.distribution} {b.version or ''}"
+            msg += f" Note: plugin '{b.plugin}' from {where} failed to load ({b.error}); it may provide '{name}'."
         for dist in dict.fromkeys(f"{o.distribution} {o.version or ''}".strip() for o in self._plugins.disabled):
             msg += f" Note: {dist} is disabled ({disabled}); it may provide '{name}'."
         return msg
@@ -431,7 +311,8 @@ def resolve_component(kind: str, spec: Any, registry: Registry | None = None) ->
     if isinstance(spec, Mapping):
         if "name" not in spec or set(spec) - {"name", "params"}:
             raise ComponentSpecError(
-                f"a {kind} given as a mapping needs exactly the keys 'name' and optionally 'params' (got {sorted(spec)})"
+                f"a {kind} given as a mapping needs exactly the keys 'name' and optionally 'params'"
+                f" (got {sorted(spec)})"
             )
         return registry.build(kind, spec["name"], spec.get("params"))
     if isinstance(spec, BaseModel) and hasattr(spec, "name") and hasattr(spec, "params"):

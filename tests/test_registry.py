@@ -246,7 +246,7 @@ def test_a_component_of_a_disabled_plugin_is_reported_as_disabled_not_unknown(si
         registry.get("reward", "dist-one:only_here")  # a disabled distribution's name is never imported
     assert str(info.value) == (
         "reward 'dist-one:only_here': distribution 'dist-one' is disabled (GRPO_PLUGINS_DISABLE or the "
-        "config's disable_plugins); enable it to use its reward 'only_here'"
+        "config's disable_plugins); enable it to use 'only_here'"
     )
     with pytest.raises(UnknownComponentError) as info:
         registry.get("reward", "only_here")

@@ -371,6 +371,36 @@ def test_a_hook_that_raises_in_a_joint_call_breaks_only_its_plugin():
     assert registry.names("reward") == ["fine_reward"]
 
 
+def test_a_wrapper_that_raises_breaks_only_its_plugin_and_the_other_hooks_still_run():
+    registry = Registry(entry_points=False)
+
+    class RaisesBeforeYield:
+        @hookimpl(wrapper=True)
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [0.0] * len(completions), name="from_before")
+            raise ValueError("before")
+            yield  # noqa: unreachable - makes this a generator, as a wrapper is
+
+    class RaisesAfterYield:
+        @hookimpl(wrapper=True)
+        def register_rewards(self, register):
+            result = yield
+            register(lambda prompts, completions, **kw: [0.0] * len(completions), name="from_after")
+            raise ValueError("after")
+            return result  # noqa: unreachable
+
+    class Fine:
+        @hookimpl
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [1.0] * len(completions), name="fine_reward")
+
+    registry.add_plugins({"before": RaisesBeforeYield(), "after": RaisesAfterYield(), "fine": Fine()})
+    assert registry.names("reward") == ["fine_reward"]
+    assert sorted((b.plugin, b.error) for b in registry.broken) == [
+        ("after", "ValueError: after"), ("before", "ValueError: before")
+    ]
+
+
 def test_temporary_registration_is_undone():
     registry = Registry(entry_points=False)
     with registry.temporary("reward", "tmp_reward", lambda p, c, **k: [1.0]):

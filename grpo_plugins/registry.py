@@ -220,11 +220,8 @@ class Registry:
         self._load()
         if self._is_import_path(kind, name):
             return import_component(kind, name)
-        dist, _, bare = name.rpartition(":")
-        entries = [
-            c for c in self._components[kind].get(bare, [])
-            if not dist or normalize_distribution(c.distribution) == normalize_distribution(dist)
-        ]
+        bare = name.rpartition(":")[2]
+        entries = self.find(name, kind)
         if not entries:
             raise UnknownComponentError(self._unknown_message(kind, name))
         if len(entries) > 1 and len({normalize_distribution(c.distribution) for c in entries}) == 1:

@@ -80,7 +80,7 @@ def hook_problems(plugin: object) -> list[str]:
 
 
 class Plugins:
-    """The plugins of one registry: pluggy's manager, the broken plugins and the disabled ones.
+    """The plugins of one registry: pluggy's manager, the broken plugins, the disabled ones.
 
     Args:
         strict: raise :class:`PluginLoadError` on the first broken plugin instead of recording it.
@@ -91,7 +91,7 @@ class Plugins:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.broken: list[BrokenPlugin] = []
-        self.disabled: list[Origin] = []  # entry points skipped by GRPO_PLUGINS_DISABLE / disable_plugins
+        self.skipped: list[Origin] = []  # disabled: not even imported
         self._failures: dict[Origin, BaseException] = {}  # the hooks that raised in the current call
 
     def load_entry_points(self, disabled: frozenset[str], make: Make) -> list[Any]:
@@ -104,7 +104,7 @@ class Plugins:
                 continue
             seen.add(origin)
             if {normalize_distribution(origin.distribution), normalize_distribution(ep.name)} & disabled:
-                self.disabled.append(origin)
+                self.skipped.append(origin)
                 continue
             try:
                 plugins.append((ep.load(), origin))

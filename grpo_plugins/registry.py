@@ -203,7 +203,7 @@ class Registry:
         dist, colon, _ = name.rpartition(":")
         if not colon:
             return "." in name and name not in self._components[kind]
-        known = [*self.components(), *self._plugins.broken, *self._plugins.disabled]
+        known = [*self.components(), *self._plugins.broken, *self._plugins.skipped]
         distributions = {normalize_distribution(o.distribution) for o in known} | self.disabled
         return normalize_distribution(dist) not in distributions
 
@@ -268,7 +268,7 @@ class Registry:
         for b in self._plugins.broken:
             where = f"{b.distribution} {b.version or ''}"
             msg += f" Note: plugin '{b.plugin}' from {where} failed to load ({b.error}); it may provide '{name}'."
-        for dist in dict.fromkeys(f"{o.distribution} {o.version or ''}".strip() for o in self._plugins.disabled):
+        for dist in dict.fromkeys(f"{o.distribution} {o.version or ''}".strip() for o in self._plugins.skipped):
             msg += f" Note: {dist} is disabled ({disabled}); it may provide '{name}'."
         return msg
 

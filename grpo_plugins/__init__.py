@@ -1,9 +1,9 @@
 """grpo-plugins: a GRPO trainer in which every algorithmic choice is a plugin.
 
 Public API: :func:`compute_loss`, :func:`compute_advantages`, :class:`GRPOConfig`,
-:class:`Engine`, the registry (:func:`get_registry`, :func:`register` and one decorator per
-component kind, from the table of kinds), :func:`completion_text` (the text of a completion as a
-reward receives it), and the ``grpo-plugins`` command line.
+:class:`Engine`, the registry (:func:`get_registry`, :func:`register` and one registering
+decorator per component kind: ``@grpo_plugins.reward("name")``, ...), :func:`completion_text`
+(the text of a completion as a reward receives it), and the ``grpo-plugins`` command line.
 
 Heavy modules (torch, transformers) are imported on first use, so that ``grpo-plugins list`` and
 ``grpo-plugins validate`` start quickly.
@@ -18,11 +18,21 @@ from grpo_plugins.config import ConfigError, GRPOConfig, load_config
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.hookspecs import hookimpl
 from grpo_plugins.kinds import completion_text
-from grpo_plugins.registry import DECORATORS, Registry, get_registry, register
-
-# One registering decorator per component kind (@grpo_plugins.reward("name"), ...), from the
-# table of kinds.
-globals().update(DECORATORS)
+from grpo_plugins.registry import (
+    Registry,
+    environment,
+    generator,
+    get_registry,
+    group_filter,
+    importance_sampling,
+    loss_type,
+    register,
+    reward,
+    reward_scaling,
+    rollout_correction,
+    task,
+    tool,
+)
 
 __version__ = "0.1.0"
 
@@ -34,16 +44,6 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from grpo_plugins.registry import Decorator
-
-    reward: Decorator
-    loss_type: Decorator
-    importance_sampling: Decorator
-    reward_scaling: Decorator
-    rollout_correction: Decorator
-    generator: Decorator
-    group_filter: Decorator
-    task: Decorator
     from grpo_plugins.advantages import compute_advantages
     from grpo_plugins.engine import Engine
     from grpo_plugins.objective import compute_loss
@@ -70,5 +70,15 @@ __all__ = [
     "load_config",
     "register",
     "validate_config",
-    *DECORATORS,
+    # one registering decorator per component kind
+    "reward",
+    "loss_type",
+    "importance_sampling",
+    "reward_scaling",
+    "rollout_correction",
+    "generator",
+    "group_filter",
+    "environment",
+    "tool",
+    "task",
 ]

@@ -589,8 +589,8 @@ def component_param_hint(key: str) -> str | None:
     ``release_cache``, say): where to write it. None when no component has such a param."""
     if "." in key:
         return None
-    from grpo_plugins.kinds import COMPONENT_KINDS
     from grpo_plugins.registry import get_registry
+    from grpo_plugins.validation import COMPONENT_FIELDS
 
     try:
         components = get_registry().components()
@@ -598,13 +598,12 @@ def component_param_hint(key: str) -> str | None:
         return None
     owners = [
         c for c in components
-        if c.kind in COMPONENT_KINDS and c.kind not in ("reward", "tool")
-        and c.params_model is not None and key in c.params_model.model_fields
+        if c.kind in COMPONENT_FIELDS.values() and c.params_model is not None and key in c.params_model.model_fields
     ]
     if not owners:
         return None
     first = owners[0]
-    field = COMPONENT_KINDS[first.kind].config_field
+    field = next(f for f, kind in COMPONENT_FIELDS.items() if kind == first.kind)
     which = ", ".join(f"{c.kind} '{c.name}'" for c in owners)
     return (
         f"unknown key '{key}'; it is a param of the {which}: write it under that component's params, "

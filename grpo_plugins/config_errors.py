@@ -210,3 +210,21 @@ def _one_error(
 
 def _dotted(path: list[Any]) -> str:
     return ".".join(str(p) for p in path)
+
+
+def validate_params(model: type[BaseModel], params: dict[str, Any]) -> tuple[BaseModel | None, list[tuple[str, str]]]:
+    """A component's ``params`` validated by its params ``model``: ``(validated, [])``, or
+    ``(None, problems)`` with one ``(dotted path, message)`` per problem. Unknown keys are
+    reported as typos whatever the model's ``extra`` setting (unless it is ``"allow"``)."""
+    errors: list[tuple[str, str]] = []
+    if model.model_config.get("extra") != "allow":
+        allowed = accepted_keys(model)
+        errors += [(str(k), model_key_message(str(k), model)) for k in params if k not in allowed]
+    try:
+        validated = model.model_validate(params)
+    except ValidationError as exc:
+        reported = {path for path, _ in errors}
+        errors += [e for e in validation_errors(exc, model, params) if e[0] not in reported]
+    except Exception as exc:  # noqa: BLE001 - a params validator that raises something else
+        errors.append(("", f"its params model raised {type(exc).__name__}: {exc}"))
+    return (None, errors) if errors else (validated, [])

@@ -9,14 +9,13 @@ Every component has the same shape:
   else (a function) is used as it is.
 
 The base classes below document the interface of each kind; subclassing them is convenient but
-not required (a class with the right methods is enough). :data:`COMPONENT_KINDS`, at the end, is
-the one table of the kinds: the registry, the hookspecs, the decorators of ``grpo_plugins``, the
-config check and the contract checks of ``grpo_plugins.testing`` all read it.
+not required (a class with the right methods is enough). :data:`KINDS`, at the end, names the
+kinds and the hook that registers each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -420,104 +419,20 @@ class Task:
 
 
 # --------------------------------------------------------------------------------------------
-# The table of kinds
+# The kinds
 # --------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class ComponentKind:
-    """One kind of component and everything the core needs to know about it.
-
-    Attributes:
-        name: the kind's name (``grpo-plugins list --kind``, ``register(kind, ...)``).
-        hook: the registration hook a plugin implements for it.
-        hook_doc: that hook's documentation (the hookspec's docstring).
-        interface: what a component implements: a class of this module, or for rewards the
-            call signature :func:`reward_interface`.
-        config_field: the run-config field that names the run's component(s) of this kind.
-        contract_check: ``module:function`` of the behaviour check run by
-            :func:`grpo_plugins.testing.check_component` (imported only when checking).
-        optional: interface methods a component may leave out (the core then uses the base
-            class's default).
-    """
-
-    name: str
-    hook: str
-    hook_doc: str
-    interface: type | Callable[..., Any]
-    config_field: str
-    contract_check: str
-    optional: tuple[str, ...] = ()
-
-
-_CHECKS = "grpo_plugins.testing.contracts"
-
-#: The kinds of component, in the order `grpo-plugins list` shows them.
-COMPONENT_KINDS: dict[str, ComponentKind] = {
-    k.name: k
-    for k in (
-        ComponentKind(
-            "reward", "register_rewards",
-            "Register reward functions (kind ``reward``).\n\n"
-            "A reward is called as ``fn(prompts, completions, completion_ids=..., **dataset_columns)`` and\n"
-            "returns one ``float`` or ``None`` (\"not applicable\") per completion, exactly as in TRL.",
-            reward_interface, "rewards", f"{_CHECKS}:check_reward",
-        ),
-        ComponentKind(
-            "loss_type", "register_loss_types",
-            "Register loss types (kind ``loss_type``): how the per-token loss is formed and reduced.\n\n"
-            "See :class:`grpo_plugins.kinds.LossType`.",
-            LossType, "loss_type", f"{_CHECKS}:check_loss_type",
-        ),
-        ComponentKind(
-            "importance_sampling", "register_importance_sampling_levels",
-            "Register importance-sampling levels (kind ``importance_sampling``): token, sequence, ...\n\n"
-            "See :class:`grpo_plugins.kinds.ImportanceSampling`.",
-            ImportanceSampling, "importance_sampling_level", f"{_CHECKS}:check_importance_sampling",
-        ),
-        ComponentKind(
-            "reward_scaling", "register_reward_scalings",
-            "Register reward scalings (kind ``reward_scaling``): combined rewards to advantages.\n\n"
-            "See :class:`grpo_plugins.kinds.RewardScaling`.",
-            RewardScaling, "scale_rewards", f"{_CHECKS}:check_reward_scaling",
-        ),
-        ComponentKind(
-            "rollout_correction", "register_rollout_corrections",
-            "Register rollout corrections (kind ``rollout_correction``) for sampler/trainer mismatch.\n\n"
-            "See :class:`grpo_plugins.kinds.RolloutCorrection`.",
-            RolloutCorrection, "rollout_correction", f"{_CHECKS}:check_rollout_correction",
-        ),
-        ComponentKind(
-            "generator", "register_generators",
-            "Register generation backends (kind ``generator``).\n\nSee :class:`grpo_plugins.kinds.Generator`.",
-            Generator, "generator", f"{_CHECKS}:check_generator", ("sampling_override",),
-        ),
-        ComponentKind(
-            "group_filter", "register_group_filters",
-            "Register group filters (kind ``group_filter``): DAPO's dynamic sampling of informative groups.\n\n"
-            "See :class:`grpo_plugins.kinds.GroupFilter`.",
-            GroupFilter, "group_filter", f"{_CHECKS}:check_group_filter",
-        ),
-        ComponentKind(
-            "environment", "register_environments",
-            "Register environments (kind ``environment``): what a rollout is (single turn, multi-turn, tools).\n\n"
-            "See :class:`grpo_plugins.kinds.Environment`.",
-            Environment, "environment", f"{_CHECKS}:check_environment",
-        ),
-        ComponentKind(
-            "tool", "register_tools",
-            "Register tools (kind ``tool``) that tool-calling environments offer the model.\n\n"
-            "A tool is a plain function with type hints and a docstring (TRL's convention).",
-            tool_interface, "environment.params.tools", f"{_CHECKS}:check_tool",
-        ),
-        ComponentKind(
-            "task", "register_tasks",
-            "Register tasks (kind ``task``): a dataset plus its default rewards.\n\n"
-            "See :class:`grpo_plugins.kinds.Task`.",
-            Task, "task", f"{_CHECKS}:check_task", ("load_eval",),
-        ),
-    )
+#: Each kind of component and the hook (in :mod:`grpo_plugins.hookspecs`) that registers it, in
+#: the order ``grpo-plugins list`` shows them.
+KINDS: dict[str, str] = {
+    "reward": "register_rewards",
+    "loss_type": "register_loss_types",
+    "importance_sampling": "register_importance_sampling_levels",
+    "reward_scaling": "register_reward_scalings",
+    "rollout_correction": "register_rollout_corrections",
+    "generator": "register_generators",
+    "group_filter": "register_group_filters",
+    "environment": "register_environments",
+    "tool": "register_tools",
+    "task": "register_tasks",
 }
-
-#: Each kind's registration hook (derived from :data:`COMPONENT_KINDS`).
-KINDS: dict[str, str] = {k.name: k.hook for k in COMPONENT_KINDS.values()}

@@ -33,7 +33,6 @@ from grpo_plugins.config import (
 )
 from grpo_plugins.config_errors import validation_errors
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.kinds import COMPONENT_KINDS
 from grpo_plugins.registry import Component, ComponentParamsError, Registry, registry_for
 
 __all__ = [
@@ -46,13 +45,18 @@ __all__ = [
     "validate_config",
 ]
 
-#: Config fields that name a single component, and the kind each one names (from the table of
-#: kinds; ``rewards``, a list, is checked by _check_rewards). The task comes first: its default
-#: rewards are checked when the config lists none.
+#: Config fields that name a single component, and the kind each one names (``rewards``, a
+#: list, is checked by _check_rewards; tools by the environment that takes them). The task comes
+#: first: its default rewards are checked when the config lists none.
 COMPONENT_FIELDS: dict[str, str] = {
-    k.config_field: k.name
-    for k in sorted(COMPONENT_KINDS.values(), key=lambda k: k.name != "task")
-    if k.name != "reward" and "." not in k.config_field  # nested (tools): checked by their owner
+    "task": "task",
+    "loss_type": "loss_type",
+    "importance_sampling_level": "importance_sampling",
+    "scale_rewards": "reward_scaling",
+    "rollout_correction": "rollout_correction",
+    "generator": "generator",
+    "group_filter": "group_filter",
+    "environment": "environment",
 }
 
 

@@ -1,5 +1,6 @@
-"""docs/plugins.md against the code: every hook, every kind's interface with its exact signature,
-the fields of the data classes, and every registering example passes the contract check."""
+"""docs/plugins.md against the code: every hook with its exact argument list, every kind's
+interface with its exact signature, the fields of the data classes, and every registering example
+passes the contract check."""
 
 from __future__ import annotations
 
@@ -24,6 +25,24 @@ HOOKSPECS = {
     for name, fn in vars(hookspecs).items()
     if inspect.isfunction(fn) and hasattr(fn, f"{hookspecs.PROJECT}_spec")
 }
+#: A hook as "The hooks" lists it: "- `register_rewards(register)` — rewards (kind `reward`)."
+HOOK_LINE = re.compile(r"^- `(\w+)\(([^)]*)\)` — .*\(kind `(\w+)`\)", flags=re.M)
+
+
+def documented_hooks(doc: str) -> dict[str, tuple[list[str], str]]:
+    """hook -> (its documented argument names, the kind it says it registers), from the list in
+    the section "The hooks"."""
+    section = doc.split("\n## The hooks\n", 1)[1].split("\n## ", 1)[0]
+    return {
+        hook: ([a.strip() for a in args.split(",") if a.strip()], kind)
+        for hook, args, kind in HOOK_LINE.findall(section)
+    }
+
+
+def hookspec_arguments() -> dict[str, tuple[list[str], str]]:
+    """hook -> (its argument names, its kind), read from the hookspecs themselves."""
+    kind_of = {hook: kind for kind, hook in KINDS.items()}
+    return {name: (list(inspect.signature(fn).parameters), kind_of.get(name, "?")) for name, fn in HOOKSPECS.items()}
 
 
 def kind_section(kind: str) -> str:
@@ -37,10 +56,28 @@ def test_every_kind_has_a_hookspec_and_every_hookspec_a_kind() -> None:
     assert set(HOOKSPECS) == set(KINDS.values())
 
 
-@pytest.mark.parametrize("hook", sorted(HOOKSPECS))
-def test_every_hook_is_documented_with_its_exact_signature(hook: str) -> None:
-    signature = f"{hook}{inspect.signature(HOOKSPECS[hook])}"
-    assert f"`{signature}`" in DOC, f"docs/plugins.md does not document `{signature}`"
+def test_every_hook_is_documented_with_its_exact_argument_list_and_kind() -> None:
+    assert documented_hooks(DOC) == hookspec_arguments()
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("`register_tasks(register)`", "`register_tasks(register, config)`"),  # an argument too many
+        ("- `register_tools(register)`", "- `register_tool(register)`"),  # a hook that does not exist
+        ("(kind `group_filter`)", "(kind `group_filters`)"),  # the wrong kind
+    ],
+)
+def test_the_hook_check_fails_on_a_wrong_hook_line(old: str, new: str) -> None:
+    assert old in DOC
+    assert documented_hooks(DOC.replace(old, new)) != hookspec_arguments()
+
+
+def test_every_hookspec_says_what_it_registers_and_its_argument() -> None:
+    for name, fn in HOOKSPECS.items():
+        doc = inspect.getdoc(fn) or ""
+        assert "Args:\n    register:" in doc, name
+        assert f"(kind ``{hookspec_arguments()[name][1]}``)" in doc, name
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

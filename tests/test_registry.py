@@ -238,6 +238,25 @@ def test_disable_env_skips_a_distribution(site: Path, monkeypatch: pytest.Monkey
     assert Registry(disabled=["dist_two"]).get("reward", "shared_score").distribution == "dist-one"
 
 
+def test_a_component_of_a_disabled_plugin_is_reported_as_disabled_not_unknown(site: Path, monkeypatch: pytest.MonkeyPatch):
+    make_distribution(site, "dist-one", "1.0", {"dis_one_j": reward_plugin("only_here")})
+    _forget_modules(monkeypatch, "dis_one_j")
+    registry = Registry(disabled=["dist_one"])
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("reward", "dist-one:only_here")  # a disabled distribution's name is never imported
+    assert str(info.value) == (
+        "reward 'dist-one:only_here': distribution 'dist-one' is disabled (GRPO_PLUGINS_DISABLE or the "
+        "config's disable_plugins); enable it to use 'only_here'"
+    )
+    with pytest.raises(UnknownComponentError) as info:
+        registry.get("reward", "only_here")
+    assert (
+        "Note: dist-one 1.0 is disabled (GRPO_PLUGINS_DISABLE or the config's disable_plugins); it may "
+        "provide 'only_here'."
+    ) in str(info.value)
+    assert "dis_one_j" not in sys.modules  # disabled: not even imported
+
+
 @pytest.mark.slow
 def test_pip_installed_distribution_is_listed(tmp_path: Path):
     project = tmp_path / "project"
@@ -350,6 +369,36 @@ def test_a_hook_that_raises_in_a_joint_call_breaks_only_its_plugin():
     registry.add_plugins({"faulty": Faulty(), "fine": Fine()}, distribution="mixed-dist")
     assert [(b.plugin, b.error) for b in registry.broken] == [("faulty", "ValueError: registration failed")]
     assert registry.names("reward") == ["fine_reward"]
+
+
+def test_a_wrapper_that_raises_breaks_only_its_plugin_and_the_other_hooks_still_run():
+    registry = Registry(entry_points=False)
+
+    class RaisesBeforeYield:
+        @hookimpl(wrapper=True)
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [0.0] * len(completions), name="from_before")
+            raise ValueError("before")
+            yield  # noqa: unreachable - makes this a generator, as a wrapper is
+
+    class RaisesAfterYield:
+        @hookimpl(wrapper=True)
+        def register_rewards(self, register):
+            result = yield
+            register(lambda prompts, completions, **kw: [0.0] * len(completions), name="from_after")
+            raise ValueError("after")
+            return result  # noqa: unreachable
+
+    class Fine:
+        @hookimpl
+        def register_rewards(self, register):
+            register(lambda prompts, completions, **kw: [1.0] * len(completions), name="fine_reward")
+
+    registry.add_plugins({"before": RaisesBeforeYield(), "after": RaisesAfterYield(), "fine": Fine()})
+    assert registry.names("reward") == ["fine_reward"]
+    assert sorted((b.plugin, b.error) for b in registry.broken) == [
+        ("after", "ValueError: after"), ("before", "ValueError: before")
+    ]
 
 
 def test_temporary_registration_is_undone():

@@ -13,8 +13,8 @@ contract, so existing TRL/Unsloth reward functions work unchanged.
 
 from __future__ import annotations
 
+from grpo_plugins.registry import IMPORT_DISTRIBUTION
 from grpo_plugins.rewards.resolution import (
-    IMPORT_DISTRIBUTION,
     RewardConfigError,
     resolve_reward,
     reward_specs_for,

@@ -1,30 +1,17 @@
-"""Resolving the rewards of a run: names, ``dist:name`` and ``module:attr`` import paths, the
-task's default rewards, and the reward weights.
-
-How a name in ``rewards:`` is resolved (:func:`resolve_reward`):
-
-1. ``name`` -- a registered reward (entry point or ``@grpo_plugins.reward``);
-2. ``dist:name`` where ``dist`` is a distribution that registered rewards -- that one's reward;
-3. ``module.path:attr`` otherwise -- imported (``attr`` may be dotted, e.g. ``Class.method``).
-"""
+"""Resolving the rewards of a run: names (as :meth:`grpo_plugins.registry.Registry.get` resolves
+them: ``name``, ``dist:name`` or an import path), the task's default rewards, and the reward
+weights."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from grpo_plugins.config import GRPOConfig, RewardSpec
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.registry import Component, Registry, get_registry, normalize_distribution
-
-IMPORT_DISTRIBUTION = "<import>"
+from grpo_plugins.registry import Component, ComponentImportError, Registry, get_registry
 
 
 class RewardConfigError(GRPOPluginsError, ValueError):
@@ -42,75 +29,18 @@ def reward_weights_mismatch(weights: Sequence[float] | None, names: Sequence[str
     )
 
 
-def _reward_distributions(registry: Registry) -> set[str]:
-    return {normalize_distribution(c.distribution) for c in registry.components("reward")}
-
-
-def _import_module(name: str) -> Any:
-    """``importlib.import_module``, also finding a module in the current folder: ``python -m``
-    and ``python script.py`` put their folder on the path, the ``grpo-plugins`` command does not,
-    and a reward file next to the config is the common case."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        top = name.partition(".")[0]
-        here = os.getcwd()
-        local = Path(here, top).is_dir() or Path(here, f"{top}.py").is_file()
-        if exc.name != top or not local or here in sys.path or "" in sys.path:
-            raise
-        sys.path.append(here)  # after everything installed: a local file never shadows a package
-        return importlib.import_module(name)
-
-
-def _import_attr(path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RewardConfigError(f"reward import path '{path}' must look like 'module.path:function'")
-    try:
-        obj: Any = _import_module(module_name)
-    except ImportError as exc:
-        raise RewardConfigError(
-            f"reward '{path}': cannot import module '{module_name}' ({exc}); it is neither a "
-            "registered reward nor an importable 'module:function' path"
-        ) from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardConfigError(
-                f"reward '{path}': module '{module_name}' has no attribute '{attr}'"
-            ) from None
-    return obj
-
-
 def resolve_reward(name: str, registry: Registry | None = None) -> Component:
-    """The reward component named ``name``: a registered name, ``dist:name``, or ``module:attr``.
-
-    A ``dist:name`` whose ``dist`` is a distribution that registered rewards always means that
-    distribution's reward; any other ``a:b`` is imported as ``from a import b``.
+    """The reward component named ``name``: a registered name, ``dist:name``, or an import path
+    (``module:attr`` or ``package.module.attr``), as :meth:`Registry.get` resolves every kind.
 
     Raises:
-        UnknownComponentError / DuplicateComponentError: from the registry, for bare names.
+        UnknownComponentError / DuplicateComponentError: from the registry, for names.
         RewardConfigError: an import path that does not import.
     """
-    registry = registry or get_registry()
-    if ":" not in name:
-        return registry.get("reward", name)
-    prefix = name.rpartition(":")[0]
-    if normalize_distribution(prefix) in _reward_distributions(registry):
-        return registry.get("reward", name)
-    obj = _import_attr(name)
-    if not callable(obj):
-        raise RewardConfigError(f"reward '{name}' is a {type(obj).__name__}, not a callable")
-    return Component(
-        kind="reward",
-        name=getattr(obj, "__name__", name.rpartition(":")[2].rpartition(".")[2]),
-        obj=obj,
-        distribution=IMPORT_DISTRIBUTION,
-        version=None,
-        plugin=name,
-        doc=(inspect.getdoc(obj) or "").split("\n\n")[0],
-    )
+    try:
+        return (registry or get_registry()).get("reward", name)
+    except ComponentImportError as exc:
+        raise RewardConfigError(str(exc)) from None
 
 
 def as_spec(entry: str | RewardSpec | dict[str, Any], where: str) -> RewardSpec:

@@ -1,16 +1,14 @@
 """Contract checks: does a component (or a plugin) satisfy the interface of its kind?
 
 :func:`check_component` and :func:`check_plugin` raise :class:`ComponentContractError` listing
-everything that is wrong. Each kind's interface and its behaviour check are named in the table of
-kinds (:data:`grpo_plugins.kinds.COMPONENT_KINDS`); the behaviour checks are the ``check_<kind>``
-functions here.
+everything that is wrong: :data:`INTERFACES` names what each kind implements, and
+:data:`BEHAVIOUR_CHECKS` the ``check_<kind>`` function that runs it on a small input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import json
 import math
@@ -21,14 +19,28 @@ from pydantic import BaseModel
 
 from grpo_plugins import kinds
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.kinds import COMPONENT_KINDS, KINDS
-from grpo_plugins.registry import Component, ComponentParamsError, Registry, hook_problems
+from grpo_plugins.kinds import KINDS
+from grpo_plugins.plugins import hook_problems
+from grpo_plugins.registry import Component, ComponentParamsError, Registry
 from grpo_plugins.testing.registries import registered_plugin
 
-#: What implements the interface of each kind (from the table of kinds): the class in
-#: :mod:`grpo_plugins.kinds` whose public methods a component provides, or for rewards the call
-#: signature itself.
-INTERFACES: dict[str, Any] = {k.name: k.interface for k in COMPONENT_KINDS.values()}
+#: What implements the interface of each kind: the class in :mod:`grpo_plugins.kinds` whose
+#: public methods a component provides, or for rewards and tools the call signature itself.
+INTERFACES: dict[str, Any] = {
+    "reward": kinds.reward_interface,
+    "loss_type": kinds.LossType,
+    "importance_sampling": kinds.ImportanceSampling,
+    "reward_scaling": kinds.RewardScaling,
+    "rollout_correction": kinds.RolloutCorrection,
+    "generator": kinds.Generator,
+    "group_filter": kinds.GroupFilter,
+    "environment": kinds.Environment,
+    "tool": kinds.tool_interface,
+    "task": kinds.Task,
+}
+
+#: Interface methods a component may leave out (the core then uses the base class's default).
+OPTIONAL_METHODS: dict[str, tuple[str, ...]] = {"generator": ("sampling_override",), "task": ("load_eval",)}
 
 
 def interface_methods(kind: str) -> dict[str, Callable[..., Any]]:
@@ -107,7 +119,7 @@ def _signature_problems(kind: str, built: Any) -> list[str]:
     for method, spec in interface_methods(kind).items():
         expected = format_signature(kind if method == "__call__" else method, spec)
         target = built if method == "__call__" else getattr(built, method, None)
-        if target is None and method in COMPONENT_KINDS[kind].optional:
+        if target is None and method in OPTIONAL_METHODS.get(kind, ()):
             continue
         if target is None or not callable(target):
             problems.append(f"missing method: {expected}")
@@ -509,9 +521,19 @@ def check_reward(built: Any, sample: dict[str, Any]) -> list[str]:
     return []
 
 
-def _behaviour_check(kind: str) -> Callable[[Any, dict[str, Any]], list[str]]:
-    module, _, name = COMPONENT_KINDS[kind].contract_check.partition(":")
-    return getattr(importlib.import_module(module), name)
+#: Each kind's behaviour check: ``check(built, sample) -> problems``.
+BEHAVIOUR_CHECKS: dict[str, Callable[[Any, dict[str, Any]], list[str]]] = {
+    "reward": check_reward,
+    "loss_type": check_loss_type,
+    "importance_sampling": check_importance_sampling,
+    "reward_scaling": check_reward_scaling,
+    "rollout_correction": check_rollout_correction,
+    "generator": check_generator,
+    "group_filter": check_group_filter,
+    "environment": check_environment,
+    "tool": check_tool,
+    "task": check_task,
+}
 
 
 def check_component(
@@ -570,7 +592,7 @@ def check_component(
     problems = _signature_problems(kind, built)
     if not problems and behaviour:
         try:
-            problems = _behaviour_check(kind)(built, dict(sample or {}))
+            problems = BEHAVIOUR_CHECKS[kind](built, dict(sample or {}))
         except Exception as exc:  # noqa: BLE001 - a component that raises on valid input fails the check
             problems = [f"it raised {type(exc).__name__} on a valid sample input: {exc}"]
     if problems:

@@ -15,31 +15,6 @@ from grpo_plugins.registry import Component, PluginLoadError, Registry, get_regi
 TEST_DISTRIBUTION = "<test>"
 
 
-# -- registering for the duration of a test ----------------------------------------------------
-
-
-_Snapshot = tuple[dict[str, dict[str, list[Component]]], list[Any], set[int]]
-
-
-def _snapshot(registry: Registry) -> _Snapshot:
-    # The registry has no public snapshot; this reads its private state (components, broken
-    # plugins, pluggy registrations). tests/test_testing_helpers.py guards that it keeps working.
-    state = registry._state  # loads the installed plugins first
-    components = {k: {n: list(e) for n, e in by_name.items()} for k, by_name in state.components.items()}
-    return components, list(state.broken), {id(p) for p in registry._pm.get_plugins()}
-
-
-def _restore(registry: Registry, snapshot: _Snapshot) -> None:
-    components, broken, plugins = snapshot
-    state = registry._state
-    state.components.clear()
-    state.components.update(components)
-    state.broken[:] = broken
-    for plugin in registry._pm.get_plugins():
-        if id(plugin) not in plugins:
-            registry._pm.unregister(plugin)
-
-
 @contextmanager
 def registered_plugin(
     *plugins: object,
@@ -66,10 +41,10 @@ def registered_plugin(
         The registry.
     """
     registry = registry if registry is not None else get_registry()
-    snapshot = _snapshot(registry)
+    snapshot = registry.snapshot()
     try:
         for plugin in plugins:
-            if registry._pm.is_registered(plugin):
+            if registry.is_registered(plugin):
                 raise PluginLoadError(
                     f"plugin {getattr(plugin, '__name__', plugin)!r} is already registered (installed, so "
                     "loaded through its entry point?); test it alone with isolated_registry(plugin), or "
@@ -84,7 +59,7 @@ def registered_plugin(
                 )
         yield registry
     finally:
-        _restore(registry, snapshot)
+        registry.restore(snapshot)
 
 
 @contextmanager

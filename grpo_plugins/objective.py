@@ -97,7 +97,7 @@ def _settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | None) -> bool:
     # "auto" corrects exactly when the sampler is not the trained policy; a caller says so by
-    # passing the sampler's log-probs (the engine keeps them only then; see
+    # passing the sampler's log-probs (under "auto" the engine keeps them only then; see
     # grpo_plugins.rollout.keeps_sampling_logps).
     if setting == "auto":
         return sampling_per_token_logps is not None
@@ -327,8 +327,9 @@ def compute_loss(
         advantages: (B,) one advantage per completion (or (B, T) per token).
         completion_mask: (B, T) 1 for completion tokens that count, after truncation masking.
         ref_per_token_logps: (B, T) reference-model log-probs; required when ``beta != 0``.
-        sampling_per_token_logps: (B, T) log-probs reported by the sampler (for the rollout
-            correction).
+        sampling_per_token_logps: (B, T) log-probs reported by the sampler, when it is not the
+            policy itself: read by the rollout correction, the off-policy mask and the
+            ``sampling/sampling_logp_difference`` metrics.
         num_items_in_batch: active tokens of the whole optimizer step (every micro-batch that
             accumulates into it, on every process); the normaliser of dapo and cispo. None: the
             local micro-batch's tokens times ``gradient_accumulation_steps``.

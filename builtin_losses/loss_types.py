@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.kinds import LossInputs, LossType
+from grpo_plugins.kinds import LossInputs, LossType, RowExtremum
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -73,7 +73,7 @@ class CISPO(DAPO):
         weight = inputs.ratio.clamp(max=inputs.epsilon_high).detach()
         return -weight * inputs.advantages * inputs.per_token_logps
 
-    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor | RowExtremum]:
         clipped = (inputs.ratio > inputs.epsilon_high) & (inputs.advantages > 0)
         return {**super().metrics(inputs), "cispo_clip_ratio": clipped.float()}
 
@@ -155,5 +155,5 @@ class VESPO(DAPO):
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
         return -self.gamma_weights(inputs) * inputs.advantages * inputs.per_token_logps
 
-    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
-        return {"vespo/phi_seq_mean": self.gamma_weights(inputs)}  # (B, 1)
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor | RowExtremum]:
+        return {"vespo/phi_seq_mean": self.gamma_weights(inputs)}  # (B, 1): averaged over every row, as in TRL

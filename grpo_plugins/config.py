@@ -180,7 +180,7 @@ class GRPOConfig(_Strict):
         False, description="Multiply the KL term by the importance ratio (DeepSeek-V3.2's unbiased KL gradient). TRL 1.16 defaults to true; false keeps the plain k3 term."
     )
     off_policy_mask_threshold: float | None = Field(
-        None, gt=0, description="Drop sequences with negative advantage whose mean KL(sampler || policy) exceeds this (DeepSeek-V3.2); None: off."
+        None, ge=0, description="Drop sequences with negative advantage whose mean KL(sampler || policy) exceeds this (DeepSeek-V3.2); 0 drops every such sequence whose sampler was more confident than the policy; None: off."
     )
     top_entropy_quantile: float = Field(
         1.0, ge=0, le=1, description="Train the policy term only on the top quantile of tokens by entropy (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps all."

@@ -51,7 +51,15 @@ from grpo_plugins.metrics import MetricsWriter
 from grpo_plugins.objective import loss_settings
 from grpo_plugins.registry import Registry, registry_for, resolve_component
 from grpo_plugins.rewards import reward_runner
-from grpo_plugins.rollout import Policy, RewardFailed, Rollout, RolloutMaker, accumulation_windows, keeps_sampling_logps
+from grpo_plugins.rollout import (
+    Policy,
+    RewardFailed,
+    Rollout,
+    RolloutMaker,
+    accumulation_windows,
+    corrects_rollouts,
+    keeps_sampling_logps,
+)
 from grpo_plugins.runtime import make_accelerator
 from grpo_plugins.step_log import StepLog
 from grpo_plugins.precision import MasterWeights
@@ -228,8 +236,9 @@ class Engine:
         self.rollouts = RolloutMaker(
             cfg, acc, self.plan, policy, self.tokenizer, self.dataset, self.prompt_column, self.environment,
             self.rewards, resolve_component("reward_scaling", cfg.scale_rewards, reg),
-            keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
+            corrects_rollouts(cfg.vllm_importance_sampling_correction, self.generator), self.guard, reg,
             group_filter=resolve_component("group_filter", cfg.group_filter, reg) if cfg.group_filter is not None else None,
+            keep_sampling_logps=keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator),
         )
         self.update = PolicyUpdate(
             cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),

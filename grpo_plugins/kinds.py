@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
@@ -111,9 +111,26 @@ def clipped_surrogate(inputs: LossInputs) -> Tensor:
     return -torch.min(ratio * inputs.advantages, clipped * inputs.advantages)
 
 
-def clip_indicators(inputs: LossInputs) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class RowExtremum:
+    """A metric that is the smallest (``reduce="min"``) or largest (``"max"``) row value of the
+    logged step, over every micro-batch and process.
+
+    ``values`` is (B, T) or (B, 1), like a mean-type metric's. A row's value is the mean of its
+    (B, T) values over its active tokens (a row without one has no value and is left out), or
+    its (B, 1) value as it is (every row counts). TRL's ``clip_ratio/low_min`` and
+    ``clip_ratio/high_max`` are of this type.
+    """
+
+    values: Tensor  # (B, T) or (B, 1)
+    reduce: Literal["min", "max"]
+
+
+def clip_indicators(inputs: LossInputs) -> dict[str, Tensor | RowExtremum]:
     """TRL's clip ratios as 0/1 values per token (or sequence): low = r < 1-ε with A < 0,
-    high = r > 1+ε_high with A > 0, region = either."""
+    high = r > 1+ε_high with A > 0, region = either; and ``clip_ratio/low_min`` /
+    ``clip_ratio/high_max``, the smallest row fraction of low-clipped and the largest of
+    high-clipped values."""
     ratio = inputs.ratio if inputs.delta is None else inputs.ratio.clamp(max=inputs.delta)
     low = (ratio < 1 - inputs.epsilon_low) & (inputs.advantages < 0)
     high = (ratio > 1 + inputs.epsilon_high) & (inputs.advantages > 0)
@@ -121,6 +138,8 @@ def clip_indicators(inputs: LossInputs) -> dict[str, Tensor]:
         "clip_ratio/low_mean": low.float(),
         "clip_ratio/high_mean": high.float(),
         "clip_ratio/region_mean": (low | high).float(),
+        "clip_ratio/low_min": RowExtremum(low.float(), "min"),
+        "clip_ratio/high_max": RowExtremum(high.float(), "max"),
     }
 
 
@@ -135,7 +154,9 @@ class LossType:
       ``inputs.mask`` and clamp every denominator (``.clamp(min=1.0)``): an all-masked batch
       must give exactly 0.
     * ``metrics`` returns per-token (B, T) or per-sequence (B, 1) values, each averaged over the
-      active tokens (sequences) of the logged step; the default gives TRL's clip ratios.
+      logged step's active tokens, or over all its sequences for (B, 1) values (TRL's
+      definition: a sequence without an active token counts with its value), or a
+      :class:`RowExtremum` for a min / max over rows; the default gives TRL's clip ratios.
 
     A loss type that only changes normalisation overrides ``reduce`` alone. One that folds the
     rollout correction into its own surrogate (VESPO) sets ``applies_rollout_correction = True``
@@ -151,7 +172,7 @@ class LossType:
     def reduce(self, per_token_loss: Tensor, inputs: LossInputs) -> Tensor:
         raise NotImplementedError
 
-    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor | RowExtremum]:
         return clip_indicators(inputs)
 
 
@@ -190,7 +211,9 @@ class RolloutCorrection(Protocol):
         """(B, T) log-probs of the policy that is being corrected *to* (old) and of the sampler,
         both 0 at masked positions, the float mask and ``vllm_importance_sampling_cap`` ->
         (B, T) or (B, 1) weights multiplied into the per-token policy loss (detached by the
-        core)."""
+        core). A component may set the class attribute ``per_sequence = True`` when it gives one
+        weight per sequence (the logged ratios then count every sequence, as TRL's sequence
+        modes do; without it, (B, 1) weights are per sequence whenever T > 1)."""
         ...
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from grpo_plugins.kinds import LossInputs
+from grpo_plugins.kinds import LossInputs, RowExtremum
 from grpo_plugins.registry import ComponentSpecError, Registry, get_registry, resolve_component
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 BONUS_ENTROPY = "entropy_bonus/entropy"
 
 IS_RATIO_PREFIX = "sampling/importance_sampling_ratio"
+#: |old - sampler| log-prob per active token, logged whenever the sampler's log-probs are given.
+LOGP_DIFFERENCE_PREFIX = "sampling/sampling_logp_difference"
 
 
 def loss_settings(config: GRPOConfig, registry: Registry | None = None) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def _settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | None) -> bool:
     # "auto" corrects exactly when the sampler is not the trained policy; a caller says so by
-    # passing the sampler's log-probs (the engine keeps them only then; see
+    # passing the sampler's log-probs (under "auto" the engine keeps them only then; see
     # grpo_plugins.rollout.keeps_sampling_logps).
     if setting == "auto":
         return sampling_per_token_logps is not None
@@ -122,6 +124,10 @@ class LossMetrics(Mapping[str, float]):
     +inf / -inf when nothing was seen). Read as a mapping name -> float: ``sum / max(count, 1)``,
     and an extremum that saw nothing reads 0.0, so no value is ever NaN or inf. Values are
     computed on first access (one device sync).
+
+    Across processes a mean pools every process's sums and counts, except the names in
+    ``process_means``: those are the mean of each process's own mean (a process that saw
+    nothing counts as 0), which is how TRL averages its sampler metrics over processes.
     """
 
     def __init__(
@@ -133,8 +139,10 @@ class LossMetrics(Mapping[str, float]):
         mins: Tensor | None = None,
         max_names: Iterable[str] = (),
         maxs: Tensor | None = None,
+        process_means: Iterable[str] = (),
     ) -> None:
         self.mean_names = tuple(mean_names)
+        self.process_means = frozenset(process_means)
         self.min_names = tuple(min_names)
         self.max_names = tuple(max_names)
         self.sums, self.counts = sums, counts  # (M,) (M,)
@@ -150,6 +158,7 @@ class LossMetrics(Mapping[str, float]):
         mins: Mapping[str, Tensor] | None = None,
         maxs: Mapping[str, Tensor] | None = None,
         *,
+        process_means: Iterable[str] = (),
         device: torch.device | None = None,
     ) -> LossMetrics:
         """From ``{name: (sum, count)}`` and ``{name: min}`` / ``{name: max}`` 0-d tensors."""
@@ -167,6 +176,7 @@ class LossMetrics(Mapping[str, float]):
             stack(mins.values()),
             maxs,
             stack(maxs.values()),
+            process_means,
         )
 
     def _compute(self) -> dict[str, float]:
@@ -203,7 +213,9 @@ class LossMetrics(Mapping[str, float]):
         means: dict[str, tuple[Tensor, Tensor]] = {}
         mins: dict[str, Tensor] = {}
         maxs: dict[str, Tensor] = {}
+        process_means: set[str] = set()
         for item in items:
+            process_means |= item.process_means
             for i, name in enumerate(item.mean_names):
                 s, c = item.sums[i], item.counts[i]
                 if name in means:
@@ -213,27 +225,50 @@ class LossMetrics(Mapping[str, float]):
                 mins[name] = torch.minimum(mins[name], item.mins[i]) if name in mins else item.mins[i]
             for i, name in enumerate(item.max_names):
                 maxs[name] = torch.maximum(maxs[name], item.maxs[i]) if name in maxs else item.maxs[i]
-        return cls.from_parts(means, mins, maxs, device=items[0].sums.device)
+        return cls.from_parts(means, mins, maxs, process_means=process_means, device=items[0].sums.device)
 
     def all_reduce(self, accelerator: Any) -> LossMetrics:
         """The same metrics over all processes of an ``accelerate.Accelerator`` (every process
         must call this, with the same metric names)."""
         if getattr(accelerator, "num_processes", 1) <= 1:
             return self
-        sums = accelerator.reduce(self.sums.contiguous(), reduction="sum")
-        counts = accelerator.reduce(self.counts.contiguous(), reduction="sum")
+        sums, counts = self.sums, self.counts
+        if self.process_means:
+            own = torch.tensor([n in self.process_means for n in self.mean_names], device=sums.device)
+            sums = torch.where(own, sums / counts.clamp(min=1.0), sums)  # this process's mean ...
+            counts = torch.where(own, torch.ones_like(counts), counts)  # ... counted once
+        sums = accelerator.reduce(sums.contiguous(), reduction="sum")
+        counts = accelerator.reduce(counts.contiguous(), reduction="sum")
         mins = accelerator.gather(self.mins.unsqueeze(0).contiguous()).amin(0) if len(self.mins) else self.mins
         maxs = accelerator.gather(self.maxs.unsqueeze(0).contiguous()).amax(0) if len(self.maxs) else self.maxs
-        return LossMetrics(self.mean_names, sums, counts, self.min_names, mins, self.max_names, maxs)
+        return LossMetrics(
+            self.mean_names, sums, counts, self.min_names, mins, self.max_names, maxs, self.process_means
+        )
 
 
-def _masked_stats(
-    values: Tensor, mask: Tensor, row_active: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum, count, where-active mask) of per-token (B, T) or per-sequence (B, 1) values."""
-    weight = mask if values.shape[-1] == mask.shape[-1] else row_active  # (B, T) or (B, 1)
-    weight = weight.expand_as(values) if weight.shape != values.shape else weight
-    return (values * weight).sum(), weight.sum(), weight != 0
+def _masked_stats(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum, count) of per-token (B, T) values over the active tokens, or of per-sequence (B, 1)
+    values over *every* row: TRL's definition (its test is the last dimension being 1), so a
+    row without an active token counts with its value (ratio 1: not clipped, φ = 1)."""
+    if values.shape[-1] == 1:
+        return values.sum(), values.new_tensor(float(values.shape[0]))
+    return (values * mask).sum(), mask.sum()
+
+
+def _row_extremum(values: Tensor, mask: Tensor, reduce: str) -> Tensor:
+    """Min or max over rows of each row's mean over its active tokens (rows without one left
+    out), or of the (B, 1) per-row values (every row): TRL's ``clip_ratio/low_min`` and
+    ``high_max``. +inf / -inf when no row counts."""
+    if values.shape[-1] == 1:
+        rows, counted = values[:, 0], torch.ones_like(values[:, 0], dtype=torch.bool)  # (B,) (B,)
+    else:
+        n = mask.sum(-1)  # (B,)
+        rows, counted = (values * mask).sum(-1) / n.clamp(min=1.0), n > 0  # (B,) (B,)
+    if reduce == "min":
+        return torch.where(counted, rows, rows.new_tensor(float("inf"))).amin()
+    if reduce == "max":
+        return torch.where(counted, rows, rows.new_tensor(float("-inf"))).amax()
+    raise LossSettingsError(f"a RowExtremum metric reduces by 'min' or 'max', not {reduce!r}")
 
 
 # -- the objective ---------------------------------------------------------------------------
@@ -292,8 +327,9 @@ def compute_loss(
         advantages: (B,) one advantage per completion (or (B, T) per token).
         completion_mask: (B, T) 1 for completion tokens that count, after truncation masking.
         ref_per_token_logps: (B, T) reference-model log-probs; required when ``beta != 0``.
-        sampling_per_token_logps: (B, T) log-probs reported by the sampler (for the rollout
-            correction).
+        sampling_per_token_logps: (B, T) log-probs reported by the sampler, when it is not the
+            policy itself: read by the rollout correction, the off-policy mask and the
+            ``sampling/sampling_logp_difference`` metrics.
         num_items_in_batch: active tokens of the whole optimizer step (every micro-batch that
             accumulates into it, on every process); the normaliser of dapo and cispo. None: the
             local micro-batch's tokens times ``gradient_accumulation_steps``.
@@ -353,11 +389,11 @@ def compute_loss(
     if num_items_in_batch is not None:
         num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
 
-    correction = None
+    sampling = None if sampling_per_token_logps is None else clean(sampling_per_token_logps.detach())  # (B, T)
+    correction, corrector = None, None
     if _correction_enabled(s["vllm_importance_sampling_correction"], sampling_per_token_logps):
         corrector = resolve_component("rollout_correction", s["rollout_correction"], registry)
-        assert sampling_per_token_logps is not None
-        sampling = clean(sampling_per_token_logps.detach())
+        assert sampling is not None
         cap = s["vllm_importance_sampling_cap"]
         cap = float("inf") if cap is None else float(cap)
         correction = corrector.weights(old, sampling, mask, cap).detach()  # (B, T) or (B, 1)
@@ -382,8 +418,9 @@ def compute_loss(
     per_token = loss_type.per_token_loss(inputs)  # (B, T) or (B, 1)
 
     if s["off_policy_mask_threshold"] is not None:
-        # The sampler's log-probs when the engine keeps them (vLLM), else the old policy's.
-        reference = old if sampling_per_token_logps is None else clean(sampling_per_token_logps.detach())
+        # The sampler's log-probs whenever they are given (the engine keeps them whenever the
+        # sampler is not the trained policy, e.g. vLLM), else the old policy's: TRL's choice.
+        reference = old if sampling is None else sampling
         per_token = per_token * off_policy_mask(advantages, logps, reference, mask, float(s["off_policy_mask_threshold"]))
     entropy_mask = None
     if quantile < 1.0:
@@ -414,7 +451,7 @@ def compute_loss(
         bonus = ((clean(entropies) * bonus_mask).sum(), bonus_mask.sum())
         if entropy_coef != 0.0:
             loss = loss - entropy_coef * bonus[0] / bonus[1].clamp(min=1.0) / gradient_accumulation_steps
-    return loss, _metrics(loss_type, inputs, kl, correction, bonus)
+    return loss, _metrics(loss_type, inputs, kl, correction, corrector, sampling, bonus)
 
 
 def _metrics(
@@ -422,26 +459,42 @@ def _metrics(
     inputs: LossInputs,
     kl: Tensor | None,
     correction: Tensor | None,
+    corrector: Any,
+    sampling: Tensor | None,
     bonus: tuple[Tensor, Tensor] | None = None,
 ) -> LossMetrics:
     mask = inputs.mask
+    active = mask != 0  # (B, T)
     with torch.no_grad():
-        row_active = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)  # (B, 1)
         means: dict[str, tuple[Tensor, Tensor]] = {}
-        for name, values in loss_type.metrics(inputs).items():
-            total, count, _ = _masked_stats(values.detach().to(mask.dtype), mask, row_active)
-            means[name] = (total, count)
-        if kl is not None:
-            means["kl"] = ((kl * mask).sum(), mask.sum())
-        if bonus is not None:
-            means[BONUS_ENTROPY] = (bonus[0].detach(), bonus[1])
         mins: dict[str, Tensor] = {}
         maxs: dict[str, Tensor] = {}
+        for name, values in loss_type.metrics(inputs).items():
+            if isinstance(values, RowExtremum):
+                extremum = _row_extremum(values.values.detach().to(mask.dtype), mask, values.reduce)
+                (mins if values.reduce == "min" else maxs)[name] = extremum
+            else:
+                means[name] = _masked_stats(values.detach().to(mask.dtype), mask)
+        if kl is not None:
+            means["kl"] = _masked_stats(kl, mask)
+        if bonus is not None:
+            means[BONUS_ENTROPY] = (bonus[0].detach(), bonus[1])
+        process_means = []
         if correction is not None:
-            total, count, where = _masked_stats(correction, mask, row_active)
+            # TRL: a sequence mode's ratios over every sequence, a token mode's over active tokens.
+            per_sequence = correction.shape[-1] == 1 and bool(getattr(corrector, "per_sequence", mask.shape[-1] > 1))
+            where = torch.ones_like(correction, dtype=torch.bool) if per_sequence else active  # (B, 1) or (B, T)
             values = correction.expand_as(where)
             inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
             mins[f"{IS_RATIO_PREFIX}/min"] = torch.where(where, values, inf).amin()
-            means[f"{IS_RATIO_PREFIX}/mean"] = (total, count)
+            means[f"{IS_RATIO_PREFIX}/mean"] = (torch.where(where, values, 0.0).sum(), where.sum().to(values.dtype))
             maxs[f"{IS_RATIO_PREFIX}/max"] = torch.where(where, values, -inf).amax()
-        return LossMetrics.from_parts(means, mins, maxs, device=mask.device)
+            process_means.append(f"{IS_RATIO_PREFIX}/mean")
+        if sampling is not None:
+            # TRL's sampler/trainer gap: over active tokens whose sampler log-prob is not NaN.
+            delta = (inputs.old_per_token_logps - sampling).abs()  # (B, T)
+            seen = active & ~delta.isnan()
+            means[f"{LOGP_DIFFERENCE_PREFIX}/mean"] = (torch.where(seen, delta, 0.0).sum(), seen.sum().to(delta.dtype))
+            maxs[f"{LOGP_DIFFERENCE_PREFIX}/max"] = torch.where(seen, delta, delta.new_tensor(float("-inf"))).amax()
+            process_means.append(f"{LOGP_DIFFERENCE_PREFIX}/mean")
+        return LossMetrics.from_parts(means, mins, maxs, process_means=process_means, device=mask.device)

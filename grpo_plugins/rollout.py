@@ -41,7 +41,7 @@ class Rollout:
     advantages: Tensor  # (L,)
     old_logps: Tensor | None  # (L, T) when off-policy steps need them
     ref_logps: Tensor | None  # (L, T) when beta != 0
-    sampling_logps: Tensor | None  # (L, T) when the rollout correction is on
+    sampling_logps: Tensor | None  # (L, T) when the run keeps them (keeps_sampling_logps)
     window_items: list[float]  # active tokens of each accumulation window, all processes
     metrics: dict[str, float]  # reward and completion statistics of the whole batch
     num_tokens: int  # prompt + completion tokens of the whole batch (all processes)
@@ -71,7 +71,7 @@ class Round:
     completion_ids: Tensor  # (L, T)
     completion_mask: Tensor  # (L, T) long
     truncated: Tensor  # (L,) bool
-    sampling_logps: Tensor | None  # (L, T) when the rollout correction is on
+    sampling_logps: Tensor | None  # (L, T) when the run keeps them (keeps_sampling_logps)
     local_rewards: Tensor  # (L, K)
     texts: list[Any]  # (L,) decoded completions, or the environment's (e.g. conversations)
     generate_seconds: float
@@ -171,17 +171,28 @@ def trim_padding(
     return ids, mask, t
 
 
-def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
-    """Whether a run keeps the sampler's log-probs, which turns the rollout correction on.
-
-    ``vllm_importance_sampling_correction`` has one meaning everywhere: "auto" corrects exactly
-    when the sampler is not the trained policy. The engine knows that from the generator
-    (``samples_from_policy``); :func:`~grpo_plugins.objective.compute_loss` from whether it is
-    given sampler log-probs, which the engine passes only in that case (or when forced on).
-    """
+def corrects_rollouts(setting: bool | str, generator: Any) -> bool:
+    """Whether the rollout correction is on: ``vllm_importance_sampling_correction`` true, or
+    "auto" and the generator does not sample from the trained policy (``samples_from_policy``
+    False, e.g. vLLM). "auto" has this one meaning everywhere."""
     if setting == "auto":
         return not getattr(generator, "samples_from_policy", True)
     return bool(setting)
+
+
+def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
+    """Whether a run keeps the sampler's log-probs and passes them to every micro-step.
+
+    Whenever the generator does not sample from the trained policy, whatever the correction
+    setting: every piece of the objective that reads the sampler -- the rollout correction, the
+    off-policy mask, the ``sampling/sampling_logp_difference`` metrics -- then needs the
+    sampler's own numbers, which the old policy's log-probs do not stand in for. And whenever
+    the correction is forced on (``true``), with any generator. A generator that samples from
+    the policy keeps none otherwise: the old policy's log-probs are the sampler's there (TRL
+    without vLLM). :func:`~grpo_plugins.objective.compute_loss` reads "auto" from whether it is
+    given sampler log-probs, which this rule passes exactly when "auto" corrects.
+    """
+    return corrects_rollouts(setting, generator) or not getattr(generator, "samples_from_policy", True)
 
 
 def score_completions(
@@ -244,11 +255,13 @@ class RolloutMaker:
             turns prompts into episodes (``single_turn``: one completion each).
         rewards: the run's :class:`~grpo_plugins.rewards.RewardRunner`.
         scaling: the built ``reward_scaling`` component.
-        correction: whether the rollout correction is on (sampling log-probs are kept).
+        correction: whether the rollout correction is on (the sampler's log-probs are required).
         guard: the run's guard (NaN/inf checks).
         registry: the run's registry.
         group_filter: the built ``group_filter`` component (used when ``plan.group_filter`` is
             set, i.e. the filter drops groups).
+        keep_sampling_logps: whether rollouts carry the sampler's log-probs (see
+            :func:`keeps_sampling_logps`); None: exactly when ``correction`` is on.
     """
 
     def __init__(
@@ -267,8 +280,10 @@ class RolloutMaker:
         guard: RunGuard,
         registry: Registry,
         group_filter: Any = None,
+        keep_sampling_logps: bool | None = None,
     ) -> None:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
+        self.keep_sampling_logps = correction if keep_sampling_logps is None else keep_sampling_logps or correction
         self.tokenizer, self.dataset, self.prompt_column = tokenizer, dataset, prompt_column
         self.environment, self.rewards, self.scaling = environment, rewards, scaling
         self.correction, self.guard, self.registry = correction, guard, registry
@@ -492,9 +507,11 @@ class RolloutMaker:
         return self.accelerator.reduce(local, reduction="sum").tolist()
 
     def _sampling_logps(self, out: Any) -> Tensor | None:
-        if not self.correction:
+        if not self.keep_sampling_logps:
             return None
         if out.sampling_logps is None:
+            if not self.correction:
+                return None  # the off-policy mask falls back to the old log-probs, no gap metric
             raise TrainingError(
                 "vllm_importance_sampling_correction is on but the generator returns no sampling "
                 "log-probs; set vllm_importance_sampling_correction: false or use a generator that does"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_plugins.kinds import LossInputs, LossType
+from grpo_plugins.kinds import LossInputs, LossType, RowExtremum
 
 __all__ = ["ChunkedReduction", "length_chunks", "row_chunks"]
 
@@ -128,7 +128,7 @@ class ChunkedReduction(LossType):
     def per_token_loss(self, inputs: LossInputs) -> Tensor:
         return self.inner.per_token_loss(inputs)
 
-    def metrics(self, inputs: LossInputs) -> dict[str, Tensor]:
+    def metrics(self, inputs: LossInputs) -> dict[str, Tensor | RowExtremum]:
         return self.inner.metrics(inputs)
 
     def reduce(self, per_token_loss: Tensor, inputs: LossInputs) -> Tensor:

@@ -142,6 +142,15 @@ def _model_impl(value: Any, data: Mapping[str, Any]) -> Translation:
     return {"generator.params.engine_kwargs.model_impl": value}, f"generator.params.engine_kwargs.model_impl: {value!r}"
 
 
+def _is_correction(value: Any, data: Mapping[str, Any]) -> Translation:
+    """TRL corrects only when it generates with vLLM; this project's ``true`` corrects with any
+    generator. A config that picks its generator TRL's way (``use_vllm``, which every TRL dump
+    has) means TRL's: ``true`` without vLLM becomes ``false``."""
+    if value is True and "use_vllm" in data and not _uses_vllm(data):
+        return {"vllm_importance_sampling_correction": False}, "false (TRL corrects only when generating with vLLM, and use_vllm is false)"
+    return {"vllm_importance_sampling_correction": value}, None
+
+
 def _is_mode(value: Any, data: Mapping[str, Any]) -> Translation:
     if "rollout_correction" in data and _component_name(data["rollout_correction"]) != value:
         raise FieldError(
@@ -416,7 +425,7 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("entropy_target", _G, "same", "`entropy_target`", 0.2),
         _key("max_tool_calling_iterations", _G, "translated", "`environment: {name: tool_calling, params: {max_tool_calling_iterations}}`", None, translate=_max_tool_calling_iterations),
         _key("tools", _TR, "translated", "`environment: {name: tool_calling, params: {tools: [names]}}` (registered tools: calculator, python, plugins'; functions from Python: `Engine(environment=ToolCalling(functions=[...]))`)", None, translate=_tools),
-        _key("vllm_importance_sampling_correction", _G, "same", "`vllm_importance_sampling_correction` (TRL corrects only with vLLM; here `true` corrects with any generator, `auto` (default) is TRL's behaviour)", True),
+        _key("vllm_importance_sampling_correction", _G, "same", "`vllm_importance_sampling_correction`. TRL corrects only with vLLM; in a config that has `use_vllm` (every TRL dump) `true` keeps that meaning (`false` unless `use_vllm` / the vllm generator is on); otherwise `true` here corrects with any generator, and `auto` (this project's default) is TRL's behaviour", True, translate=_is_correction),
         _key("vllm_importance_sampling_mode", _G, "translated", "`rollout_correction` (same four names)", "sequence_mask", translate=_is_mode),
         _key("vllm_importance_sampling_clip_max", _G, "translated", "`vllm_importance_sampling_cap`", 3.0, translate=_is_clip_max),
         _key("vllm_importance_sampling_clip_min", _G, "translated", "`rollout_correction.params.clip_min`", None, translate=_is_clip_min),
@@ -597,6 +606,18 @@ def trl_table_markdown() -> str:
         "(tested). Where the defaults differ, a key you leave out gets this project's default",
         "(e.g. `max_completion_length` 256, `use_bias_correction_kl` false, `logging_steps` 1); a",
         "key you write gets your value.",
+        "",
+        "Such a dump trains as TRL would: its rollout correction (TRL's default",
+        "`vllm_importance_sampling_correction: true`, `sequence_mask` with a cap of 3) is on only",
+        "when it generates with vLLM (`use_vllm: true`), as in TRL. Without vLLM the correction is",
+        "off (`true` is loaded as `false`, with an INFO line), because TRL never corrects then. This",
+        "reading applies to a config that chooses its generator with TRL's `use_vllm`; in a config",
+        "that does not, `vllm_importance_sampling_correction: true` has this project's meaning",
+        "(correct against whatever generator samples; `auto`, the default, corrects exactly when",
+        "the generator is not the trained policy). With vLLM the sampler's log-probs reach the",
+        "off-policy mask (`off_policy_mask_threshold`) even with the correction off, as in TRL;",
+        "the `sampling/sampling_logp_difference` metrics are then logged too (TRL logs them only",
+        "with the correction on).",
         "",
         "| TRL key | from | TRL default | status | here |",
         "|---|---|---|---|---|",

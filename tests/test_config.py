@@ -213,6 +213,7 @@ MALFORMED = [
     ({"model": {"config": {"model_type": "llama"}, "tokenizer": "/no/such/tokenizer"}}, "model.tokenizer", "no such file"),
     ({"dataset": {"path": "json", "data_files": "./no/such/train.jsonl"}}, "dataset.data_files", "no such file"),
     ({"report_to": ["jsonl", "wandb"]}, "report_to", "'wandb' is not available here"),
+    ({"off_policy_mask_threshold": -0.1}, "off_policy_mask_threshold", "greater than or equal to 0"),
 ]
 
 
@@ -335,3 +336,11 @@ def test_an_unknown_top_level_key_that_is_a_components_param_says_where_it_goes(
     assert "loss_type: {name: sapo, params: {temperature_pos: ...}}" in text
     assert "master_weights" not in text
     assert "unknown key 'learnin_rate'; did you mean 'learning_rate'?" in text  # a typo stays a typo
+
+
+def test_an_off_policy_mask_threshold_of_0_is_accepted_and_reaches_the_loss():
+    from grpo_plugins.objective import loss_settings
+
+    config = load_config({"off_policy_mask_threshold": 0.0})
+    assert config.off_policy_mask_threshold == 0.0
+    assert loss_settings(config)["off_policy_mask_threshold"] == 0.0  # 0.0, not "off"

@@ -6,6 +6,7 @@ completions. Tiny random models on the CPU."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,80 @@ def test_model_init_kwargs_reach_from_pretrained(tiny_model: dict, tmp_path: Pat
     assert config.model.init_kwargs == {"output_attentions": True}
     loaded, _ = load_model(config.model, dtype=config.dtype)
     assert loaded.config.output_attentions is True
+
+
+# -- the sampler's log-probs reach every piece that reads them ------------------------------------
+
+SAMPLER_OFFSET = 0.05
+
+
+@pytest.fixture()
+def offset_sampler():
+    """A generator that stands in for vLLM on the CPU: it samples with the policy but is not
+    the policy (``samples_from_policy = False``) and reports log-probs 0.05 above the policy's,
+    so KL(sampler || policy) is about 0.05 per token."""
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.registry import get_registry
+
+    class OffsetSampler(TransformersGenerator):
+        samples_from_policy = False
+
+        def generate(self, prompt_ids):
+            out = super().generate(prompt_ids)
+            out.sampling_logps = out.sampling_logps + SAMPLER_OFFSET * out.completion_mask
+            return out
+
+    get_registry().register("generator", "offset_sampler", OffsetSampler)
+    yield "offset_sampler"
+    get_registry().unregister("generator", "offset_sampler")
+
+
+def _recording_compute_loss(monkeypatch) -> list[dict]:
+    import grpo_plugins.objective as objective
+
+    calls: list[dict] = []
+    real = objective.compute_loss
+
+    def recording(*args, **kwargs):
+        calls.append({"sampling": kwargs.get("sampling_per_token_logps"),
+                      "correction": kwargs.get("vllm_importance_sampling_correction")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objective, "compute_loss", recording)
+    return calls
+
+
+def test_a_sampler_that_is_not_the_policy_feeds_the_off_policy_mask_without_the_correction(
+    tiny_model: dict, tmp_path: Path, offset_sampler: str, monkeypatch
+):
+    # As TRL with vLLM: the mask compares the policy with the sampler even with the correction
+    # off. With the old policy's log-probs (on-policy: KL 0) it would drop nothing here.
+    settings = dict(generator=offset_sampler, vllm_importance_sampling_correction=False, max_steps=1,
+                    steps_per_generation=1)
+    calls = _recording_compute_loss(monkeypatch)
+    masked = _train(tiny_model, tmp_path / "masked", off_policy_mask_threshold=0.01, **settings)
+    assert calls and all(c["sampling"] is not None and c["correction"] is False for c in calls)
+    plain = _train(tiny_model, tmp_path / "plain", **settings)
+    p = dict(plain.unwrapped.named_parameters())
+    assert any(not torch.equal(p[n], q) for n, q in masked.unwrapped.named_parameters())
+    record = read_metrics(tmp_path / "masked" / "out")[0]
+    assert record["sampling/sampling_logp_difference/mean"] == pytest.approx(SAMPLER_OFFSET, abs=2e-3)
+    assert record["sampling/sampling_logp_difference/max"] >= record["sampling/sampling_logp_difference/mean"]
+    assert not any(k.startswith("sampling/importance_sampling_ratio") for k in record)
+
+
+def test_a_sampler_that_is_not_the_policy_turns_auto_correction_on(tiny_model: dict, tmp_path: Path, offset_sampler: str):
+    _train(tiny_model, tmp_path, generator=offset_sampler, max_steps=1, steps_per_generation=1)
+    record = read_metrics(tmp_path / "out")[0]
+    # ρ = exp(old - sampler) = exp(-0.05) per token, under the cap.
+    assert record["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(-SAMPLER_OFFSET), abs=2e-3)
+    assert record["sampling/sampling_logp_difference/mean"] == pytest.approx(SAMPLER_OFFSET, abs=2e-3)
+
+
+def test_the_policys_own_sampler_keeps_no_sampler_log_probs(tiny_model: dict, tmp_path: Path, monkeypatch):
+    # The transformers generator samples from the policy: the mask uses the old log-probs (TRL
+    # without vLLM) and there is no gap to log.
+    calls = _recording_compute_loss(monkeypatch)
+    _train(tiny_model, tmp_path, off_policy_mask_threshold=0.01, max_steps=1, steps_per_generation=1)
+    assert calls and all(c["sampling"] is None for c in calls)
+    assert not any(k.startswith("sampling/") for k in read_metrics(tmp_path / "out")[0])

@@ -327,7 +327,13 @@ def test_all_masked_batch_gives_zero_loss_zero_gradient_finite_metrics(loss_type
     assert torch.equal(grad, torch.zeros_like(grad))
     assert set(metrics) >= {"kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                             "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max"}
-    assert all(v == 0.0 for v in metrics.values())
+    # Per-sequence values count every row, empty ones too (TRL's definition): an empty row's
+    # ratio is 1, which is above cispo's cap ε_high = 0.2 here, so its clip ratio counts the
+    # rows with A > 0 (tests/test_objective_trl_pieces.py checks that against TRL).
+    per_sequence = {"cispo_clip_ratio"} if (loss_type, level) == ("cispo", "sequence") else set()
+    assert all(v == 0.0 for k, v in metrics.items() if k not in per_sequence)
+    for name in per_sequence:
+        assert metrics[name] == pytest.approx(float((batch["adv"] > 0).float().mean()))
 
 
 def test_float32_and_bfloat16_inputs_stay_finite():

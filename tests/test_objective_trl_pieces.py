@@ -144,7 +144,7 @@ def test_top_entropy_quantile_matches_trl(quantile, loss_type):
 
 
 @pytest.mark.parametrize("with_sampling", [False, True])
-@pytest.mark.parametrize("threshold", [0.01, 0.2])
+@pytest.mark.parametrize("threshold", [0.0, 0.01, 0.2])
 def test_off_policy_mask_matches_trl(threshold, with_sampling):
     b = _batch()
     _close(_ours(b, off_policy_mask_threshold=threshold, with_sampling=with_sampling),
@@ -331,3 +331,15 @@ def test_the_bonus_entropy_metric_is_the_mean_over_the_tokens_it_acts_on():
     _, _, _, metrics = _ours(b, entropy_coef=0.1)
     m = b["mask"].double()
     assert metrics[BONUS_ENTROPY] == pytest.approx(float((b["ent"] * m).sum() / m.sum()), rel=1e-6)  # metrics are float32
+
+
+def test_an_off_policy_threshold_of_0_masks_sequences_like_trl():
+    """0 is a threshold (drop every negative-advantage sequence whose sampler was more confident
+    than the policy), not "off": the loss differs from no mask, and equals TRL's."""
+    b = _batch()
+    b["sampling"][1] = b["logp"][1] + 0.01  # row 1 (A < 0): mean KL 0.01 > 0, dropped
+    b["sampling"][3] = b["logp"][3] - 0.01  # row 3 (A < 0): mean KL -0.01 <= 0, kept
+    masked, unmasked = _ours(b, off_policy_mask_threshold=0.0, with_sampling=True), _ours(b, with_sampling=True)
+    assert masked[1][1].abs().sum() == 0 and unmasked[1][1].abs().sum() > 0
+    torch.testing.assert_close(masked[1][3], unmasked[1][3])
+    _close(masked, _trl(b, opm=0.0, with_sampling=True))

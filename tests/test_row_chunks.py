@@ -84,7 +84,9 @@ def test_chunked_reduction_matches_the_whole_batch(loss_type: str, level: str) -
     torch.testing.assert_close(chunked_grad, whole_grad, rtol=1e-12, atol=1e-12)
     assert whole_grad.abs().sum() > 0
     merged = LossMetrics.merge(p[1] for p in parts)
-    assert dict(merged) == pytest.approx(dict(whole_metrics), rel=1e-12, abs=1e-12)
+    # Metrics are kept in float32: the chunks' partial sums add up to the whole's to float32
+    # rounding (the sampler log-prob gap, a sum of many small values, shows it).
+    assert dict(merged) == pytest.approx(dict(whole_metrics), rel=1e-6, abs=1e-12)
 
 
 # -- the engine: one run chunked, one not, same parameters and logs ------------------------------

@@ -38,6 +38,38 @@ def test_a_trl_config_dumped_at_trls_defaults_validates_completely():
     assert config.vllm_importance_sampling_cap == 3.0
     assert config.top_k is None
     assert (config.steps_per_generation, config.generation_batch_size) == (1, None)
+    # TRL's default correction (true) does nothing without vLLM, so it is off here too.
+    assert config.vllm_importance_sampling_correction is False
+
+
+def test_a_trl_dumps_correction_is_on_exactly_when_it_generates_with_vllm(caplog):
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.generators.vllm_backend import VLLMGenerator
+    from grpo_plugins.rollout import corrects_rollouts
+
+    with caplog.at_level(logging.INFO, logger="grpo_plugins.config"):
+        without = load_config(trl_defaults())
+    assert without.vllm_importance_sampling_correction is False
+    assert not corrects_rollouts(without.vllm_importance_sampling_correction, TransformersGenerator())
+    assert ("TRL key vllm_importance_sampling_correction: false (TRL corrects only when generating with vLLM, "
+            "and use_vllm is false)") in [r.getMessage() for r in caplog.records]
+    with_vllm = load_config(trl_defaults(use_vllm=True))
+    assert with_vllm.vllm_importance_sampling_correction is True and with_vllm.generator.name == "vllm"
+    assert corrects_rollouts(with_vllm.vllm_importance_sampling_correction, VLLMGenerator())
+    off = load_config(trl_defaults(use_vllm=True, vllm_importance_sampling_correction=False))
+    assert off.vllm_importance_sampling_correction is False
+
+
+def test_correction_true_keeps_this_projects_meaning_without_trls_use_vllm():
+    from grpo_plugins.generators.transformers_backend import TransformersGenerator
+    from grpo_plugins.rollout import corrects_rollouts
+
+    config = load_config({"vllm_importance_sampling_correction": True})  # the project's own key
+    assert config.vllm_importance_sampling_correction is True
+    assert corrects_rollouts(True, TransformersGenerator())  # corrects with any generator
+    chosen_here = load_config({"vllm_importance_sampling_correction": True, "generator": "transformers"})
+    assert chosen_here.vllm_importance_sampling_correction is True
+    assert load_config({}).vllm_importance_sampling_correction == "auto"
 
 
 def test_the_table_agrees_with_the_config_model():

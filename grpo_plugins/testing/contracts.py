@@ -248,6 +248,10 @@ def check_loss_type(built: Any, sample: dict[str, Any]) -> list[str]:
     metrics = getattr(built, "metrics", None)
     if callable(metrics):
         for name, values in metrics(inputs).items():
+            if isinstance(values, kinds.RowExtremum):
+                if values.reduce not in ("min", "max"):
+                    problems.append(f"metrics()['{name}'] is a RowExtremum with reduce {values.reduce!r}; use 'min' or 'max'")
+                values = values.values
             problems += _tensor_problems(f"metrics()['{name}']", values, [(rows, cols), (rows, 1)])
     return problems
 
@@ -557,7 +561,7 @@ def check_component(
       ``sample`` (which may also replace those three); returns one float or None per completion;
     * loss_type: ``per_token_loss`` is (B, T) or (B, 1) and finite; ``reduce`` returns a finite
       0-d tensor with a gradient, ignores masked positions, and is exactly 0 when every token is
-      masked; ``metrics`` values are (B, T) or (B, 1);
+      masked; ``metrics`` values are (B, T) or (B, 1) (or a ``RowExtremum`` of such);
     * importance_sampling: (B, T) or (B, 1), finite, differentiable, 0 when log_ratio is 0;
     * reward_scaling: (N,) and finite for scorable rows with a NaN row and a zero-std group,
       input not modified;

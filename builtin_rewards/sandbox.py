@@ -19,8 +19,10 @@ does not contain a determined attacker (docs/rewards.md).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import itertools
 import os
 import platform
 import re
@@ -83,18 +85,42 @@ class SandboxResult:
 # without one, and the thread limit is all that bounds processes).
 _EPERM, _ENOSYS = 1, 38
 _CLONE_THREAD = 0x00010000
-_ARCHES: dict[str, tuple[int, int, dict[int, int]]] = {
-    # machine: (AUDIT_ARCH_*, clone, {syscall: errno}) -- fork/vfork, clone3 (ENOSYS makes glibc
-    # fall back to clone, which is checked for CLONE_THREAD); SysV shm/semaphores/messages and
-    # POSIX message queues (memory outside RLIMIT_AS); keyrings, ptrace, io_uring, bpf, perf,
-    # userfaultfd, unshare/setns
-    "x86_64": (0xC000003E, 56, {57: _EPERM, 58: _EPERM, 435: _ENOSYS, 29: _EPERM, 64: _EPERM, 68: _EPERM,
-                                240: _EPERM, 248: _EPERM, 249: _EPERM, 250: _EPERM, 101: _EPERM, 425: _EPERM,
-                                321: _EPERM, 298: _EPERM, 323: _EPERM, 272: _EPERM, 308: _EPERM}),
-    "aarch64": (0xC00000B7, 220, {435: _ENOSYS, 194: _EPERM, 190: _EPERM, 186: _EPERM, 180: _EPERM, 217: _EPERM,
-                                  218: _EPERM, 219: _EPERM, 117: _EPERM, 425: _EPERM, 280: _EPERM, 241: _EPERM,
-                                  282: _EPERM, 97: _EPERM, 268: _EPERM}),
+# fcntl commands refused: record locks and leases on shared read-only files, and directory
+# notification (each a channel between concurrent sandboxes), and growing a pipe's buffer
+# (kernel memory outside the address space): F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK,
+# F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY, F_SETPIPE_SZ.
+_FCNTL_REFUSED = (5, 6, 7, 36, 37, 38, 1024, 1026, 1031)
+
+
+@dataclass(frozen=True)
+class _Arch:
+    audit: int  # AUDIT_ARCH_*
+    clone: int
+    fcntl: int
+    refused: dict[str, tuple[int, ...]]  # why: syscall numbers (all EPERM)
+
+
+_ARCHES: dict[str, _Arch] = {
+    "x86_64": _Arch(0xC000003E, 56, 72, {
+        "processes (fork, vfork)": (57, 58),
+        "SysV shm, semaphores, messages; POSIX message queues (memory outside RLIMIT_AS)": (29, 64, 68, 240),
+        "sockets of every family (network, vsock, socket buffers)": (41, 53),
+        "inotify, fanotify, file handles, file locks (channels between sandboxes)": (253, 294, 300, 303, 304, 73),
+        "another process's memory, descriptors or signals": (101, 310, 311, 312, 424, 434, 438),
+        "keyrings, io_uring, AIO, bpf, perf, userfaultfd, unshare, setns": (
+            248, 249, 250, 425, 426, 427, 206, 321, 298, 323, 272, 308),
+    }),  # fmt: skip
+    "aarch64": _Arch(0xC00000B7, 220, 25, {
+        "processes": (),  # aarch64 has only clone/clone3
+        "SysV shm, semaphores, messages; POSIX message queues": (194, 190, 186, 180),
+        "sockets of every family": (198, 199),
+        "inotify, fanotify, file handles, file locks": (26, 262, 264, 265, 32),
+        "another process's memory, descriptors or signals": (117, 270, 271, 272, 424, 434, 438),
+        "keyrings, io_uring, AIO, bpf, perf, userfaultfd, unshare, setns": (
+            217, 218, 219, 425, 426, 427, 0, 280, 241, 282, 97, 268),
+    }),  # fmt: skip
 }
+_CLONE3 = 435  # refused with ENOSYS, so that glibc falls back to clone, whose flags are checked
 
 
 def seccomp_filter(machine: str | None = None) -> bytes | None:
@@ -102,27 +128,34 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     machine = machine or platform.machine()
     if machine not in _ARCHES:
         return None
-    arch, clone, denied = _ARCHES[machine]
+    a = _ARCHES[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
-    allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
-
-    def errno(code: int) -> int:
-        return 0x00050000 | code  # SECCOMP_RET_ERRNO
-
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]  # seccomp_data.arch, .nr
+    allow, kill, eperm = 0x7FFF0000, 0x80000000, 0x00050000 | _EPERM  # SECCOMP_RET_ALLOW/KILL_PROCESS/ERRNO
+    nr, arg0, arg1 = 0, 16, 24  # offsets in seccomp_data (low halves of the arguments)
+    # (code, jt, jf, k), where a jump target may be a label (a str), resolved below
+    prog: list[tuple[int, int | str, int | str, int]] = [(ld, 0, 0, 4), (jeq, 1, 0, a.audit), (ret, 0, 0, kill)]
+    prog += [(ld, 0, 0, nr)]
     if machine == "x86_64":
-        prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, errno(_EPERM))]  # the x32 ABI
-    for nr, code in denied.items():
-        prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno(code))]
-    prog += [
-        (jeq, 0, 4, clone),
-        (ld, 0, 0, 16),  # low half of args[0], the clone flags
-        (jset, 0, 1, _CLONE_THREAD),
-        (ret, 0, 0, allow),
-        (ret, 0, 0, errno(_EPERM)),
-        (ret, 0, 0, allow),
-    ]
-    return b"".join(struct.pack("=HBBI", *insn) for insn in prog)
+        prog += [(jge, "deny", 0, 0x40000000)]  # the x32 ABI
+    prog += [(jeq, 0, 1, _CLONE3), (ret, 0, 0, 0x00050000 | _ENOSYS)]
+    for number in sorted({n for numbers in a.refused.values() for n in numbers}):
+        prog += [(jeq, "deny", 0, number)]
+    prog += [(jeq, 0, "not_fcntl", a.fcntl), (ld, 0, 0, arg1)]
+    prog += [(jeq, "deny", 0, cmd) for cmd in _FCNTL_REFUSED]
+    prog += [(ret, 0, 0, allow), ("not_fcntl", 0, 0, 0)]
+    prog += [(jeq, 0, "allow", a.clone), (ld, 0, 0, arg0), (jset, "allow", "deny", _CLONE_THREAD)]
+    prog += [("allow", 0, 0, 0), (ret, 0, 0, allow), ("deny", 0, 0, 0), (ret, 0, 0, eperm)]
+    labels, out = {}, []
+    for insn in prog:
+        if isinstance(insn[0], str):
+            labels[insn[0]] = len(out)
+        else:
+            out.append(insn)
+    code = b""
+    for i, (op, jt, jf, k) in enumerate(out):
+        jt, jf = (labels[j] - i - 1 if isinstance(j, str) else j for j in (jt, jf))
+        code += struct.pack("=HBBI", op, jt, jf, k)
+    return code
 
 
 # -- the sandbox's file system ------------------------------------------------------------------
@@ -157,6 +190,12 @@ def _layout() -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...]]:
     return exe, tuple(binds), tuple(links)
 
 
+#: The host uid a trainer running as root starts bubblewrap as, so that the kernel applies the
+#: thread limit (it exempts uid 0) and root-only files stay unreadable. That uid must be able to
+#: read the interpreter (not so for one under ``/root``) and to make user namespaces.
+SANDBOX_UID = 65534
+
+
 def _bwrap_args(bwrap: str, limits: SandboxLimits, seccomp_fd: int | None, info_fd: int) -> list[str]:
     exe, binds, links = _layout()
     args = [
@@ -173,6 +212,174 @@ def _bwrap_args(bwrap: str, limits: SandboxLimits, seccomp_fd: int | None, info_
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     return args + ["--info-fd", str(info_fd), "--", exe]
+
+
+# -- a pids and memory cgroup per sandbox, where the host lets the trainer make one ---------------
+
+# Run by /bin/sh before bwrap: join the cgroup (each controller's cgroup.procs, then "--"), so
+# that everything bwrap starts is inside it from the start.
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+_CGROUP_SLACK_MB = 64  # the interpreter, bwrap and kernel memory of one run beyond its limits
+
+
+def cgroup_bytes(limits: SandboxLimits) -> int:
+    """The memory cgroup's bound for one run: memory_mb + disk_mb + 64 MiB."""
+    return (int(limits.memory_mb) + int(limits.disk_mb) + _CGROUP_SLACK_MB) << 20
+
+
+class _Cgroup:
+    """One run's cgroup: a directory per hierarchy (one under cgroup v2, pids and memory under v1)."""
+
+    def __init__(self, dirs: list[str]) -> None:
+        self.dirs = dirs
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def remove(self) -> bool:
+        """Remove it (retrying while the kernel tears the run's processes down); False: still busy."""
+        for _ in range(100):
+            for d in list(self.dirs):
+                try:
+                    os.rmdir(d)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                self.dirs.remove(d)
+            if not self.dirs:
+                return True
+            time.sleep(0.01)
+        return False
+
+
+class _Cgroups:
+    """Makes a cgroup with ``pids.max`` and a memory bound for each run, below a parent cgroup
+    of this trainer's (removed at exit)."""
+
+    def __init__(self, version: int, parents: dict[str, str]) -> None:
+        self.version = version  # 2: one unified hierarchy; 1: pids and memory hierarchies
+        self.parents = parents  # controller -> the parent directory runs are made in
+        self._names = itertools.count()
+        self._busy: list[_Cgroup] = []
+        atexit.register(self._remove_all)
+
+    def make(self, limits: SandboxLimits) -> _Cgroup:
+        """A fresh cgroup with ``limits``' bounds (raises OSError when it cannot be made)."""
+        for cgroup in self._busy[:]:  # those whose processes were slow to go last time
+            if cgroup.remove():
+                self._busy.remove(cgroup)
+        name = str(next(self._names))
+        dirs = sorted({os.path.join(parent, name) for parent in self.parents.values()})
+        cgroup = _Cgroup([])
+        try:
+            for d in dirs:
+                os.mkdir(d, 0o700)
+                cgroup.dirs.append(d)
+            tasks, memory = str(int(limits.max_tasks) + 4), str(cgroup_bytes(limits))  # + sh, bwrap, its init
+            pids_dir, memory_dir = (os.path.join(self.parents[c], name) for c in ("pids", "memory"))
+            if self.version == 2:
+                files = [("pids.max", tasks), ("memory.max", memory), ("memory.swap.max", "0")]
+            else:
+                files = [("pids.max", tasks), ("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)]
+            for file, value in files:
+                path = os.path.join(pids_dir if file.startswith("pids") else memory_dir, file)
+                if file.startswith(("memory.swap", "memory.memsw")) and not os.path.exists(path):
+                    continue  # no swap accounting on this host
+                with open(path, "w") as f:
+                    f.write(value)
+        except BaseException:
+            self.release(cgroup)
+            raise
+        return cgroup
+
+    def release(self, cgroup: _Cgroup) -> None:
+        if not cgroup.remove():
+            self._busy.append(cgroup)
+
+    def _remove_all(self) -> None:
+        for cgroup in self._busy:
+            cgroup.remove()
+        for parent in set(self.parents.values()):
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+
+
+def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
+    """(the cgroup v2 mount point, {v1 controller: its mount point}) from /proc/self/mountinfo."""
+    v2, v1 = None, {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            point, fstype, options = fields[4], fields[sep + 1], fields[sep + 3].split(",")
+            if fstype == "cgroup2" and v2 is None:
+                v2 = point
+            elif fstype == "cgroup":
+                for controller in ("pids", "memory"):
+                    if controller in options:
+                        v1.setdefault(controller, point)
+    return v2, v1
+
+
+def _find_cgroups() -> _Cgroups:
+    """Where this trainer can make per-run cgroups with both a pids and a memory bound (raises
+    OSError, ValueError or KeyError where it cannot: no permission, no delegation, controllers
+    missing)."""
+    v2, v1 = _cgroup_mounts()
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else ["unified"]:
+                own[controller] = path
+    name = f"grpo-sandbox-{os.getpid()}"
+    if "pids" in v1 and "memory" in v1:
+        parents = {c: os.path.join(v1[c] + own[c], name) for c in ("pids", "memory")}
+        version = 1
+    else:
+        if v2 is None:
+            raise OSError("no cgroup v2 mount")
+        # A sibling of this process's cgroup (cgroup v2 puts no processes in a cgroup that
+        # hands controllers to its children); its parent must hand it pids and memory.
+        here = v2 + own["unified"]
+        above = here if own["unified"] == "/" else os.path.dirname(here)
+        with open(os.path.join(above, "cgroup.subtree_control")) as f:
+            if not {"pids", "memory"} <= set(f.read().split()):
+                raise OSError(f"{above} does not delegate the pids and memory controllers")
+        parents = {c: os.path.join(above, name) for c in ("pids", "memory")}
+        version = 2
+    made = []
+    try:
+        for parent in sorted(set(parents.values())):
+            os.mkdir(parent, 0o700)
+            made.append(parent)
+        if version == 2:
+            with open(os.path.join(parents["pids"], "cgroup.subtree_control"), "w") as f:
+                f.write("+pids +memory")
+        cgroups = _Cgroups(version, parents)
+        trial = cgroups.make(SandboxLimits())  # every file it writes is writable, and it can be joined
+        try:
+            subprocess.run(["/bin/sh", "-c", _JOIN, "sh", *trial.procs_files(), "--", "true"], check=True, timeout=30)
+        finally:
+            cgroups.release(trial)
+    except BaseException:
+        for parent in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)
+        raise
+    return cgroups
+
+
+@functools.cache
+def _cgroups() -> _Cgroups | None:
+    """The per-run cgroups, or None where this host does not let the trainer make them."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return _find_cgroups()
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
 
 
 # -- one sandboxed process ----------------------------------------------------------------------
@@ -217,6 +424,8 @@ class _Sandboxed:
         isolation: Isolation,
         channel: tuple[int, int] | None = None,
         nonce: str = "",
+        run_as: int | None | Literal["auto"] = "auto",
+        cgroup: bool = True,
     ) -> None:
         self.limits = limits
         data = source.encode("utf-8", errors="replace")
@@ -230,11 +439,18 @@ class _Sandboxed:
             "max_tasks": int(limits.max_tasks),
             "channel": ",".join(map(str, channel or ())),
             "nonce": nonce,
+            "verdict": "",
         }
+        self.verdict_fd: int | None = None
+        if mode == "test":  # the verdict's own file: only the trusted test side ever holds it
+            self.verdict_fd = _memory_file()
+            self.fds.append(self.verdict_fd)
+            config["verdict"] = str(self.verdict_fd)
         argv = [";".join(f"{k}={v}" for k, v in config.items())]
-        pass_fds = list(channel or ())
+        pass_fds = list(channel or ()) + ([self.verdict_fd] if self.verdict_fd is not None else [])
         self.tmp: str | None = None  # unsafe_local's working directory on the host
         self.info_fd: int | None = None
+        self.cgroup: _Cgroup | None = None
         if isolation == "bwrap":
             bwrap = _bwrap_path()
             assert bwrap is not None
@@ -247,6 +463,18 @@ class _Sandboxed:
                 self.fds.append(seccomp_fd)
                 pass_fds.append(seccomp_fd)
             cmd, cwd, env = _bwrap_args(bwrap, limits, seccomp_fd, self.info_fd), None, {}
+            uid = _run_as() if run_as == "auto" else run_as
+            if uid is not None:
+                cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *cmd]
+            manager = _cgroups() if cgroup else None
+            if manager is not None:
+                try:
+                    self.cgroup = manager.make(limits)
+                except BaseException:
+                    self._free()
+                    raise
+                # joined before bwrap starts, so that everything it starts is inside
+                cmd = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--", *cmd]
         else:
             self.tmp = cwd = tempfile.mkdtemp(prefix="grpo-sandbox-")
             argv.append(cwd)  # also tells the boot code to add Landlock and the audit hook
@@ -281,6 +509,11 @@ class _Sandboxed:
         limit = self.limits.max_output_bytes
         return SandboxResult(returncode, _read_back(self.fds[1], limit), _read_back(self.fds[2], limit), timed_out, seconds)
 
+    def verdict(self) -> str:
+        """What the trusted test side wrote to its verdict file (after :meth:`wait`)."""
+        assert self.verdict_fd is not None
+        return _read_back(self.verdict_fd, 4096)
+
     def kill(self) -> None:
         """Kill everything the run started, and reap it."""
         if self.proc.poll() is None and self.info_fd is not None:
@@ -306,6 +539,10 @@ class _Sandboxed:
     def _free(self) -> None:
         for fd in self.fds:
             os.close(fd)
+        if self.cgroup is not None:
+            manager = _cgroups()
+            assert manager is not None
+            manager.release(self.cgroup)
         if self.tmp is not None:
             _remove_tree(self.tmp)
 
@@ -333,17 +570,41 @@ def _bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
+_RUN_AS: list[int | None] = [None]  # set by bwrap_problem: the host uid bwrap is started as
+
+
+def _run_as() -> int | None:
+    """The host uid to start bwrap as (None: the trainer's own, already not root)."""
+    bwrap_problem()
+    return _RUN_AS[0]
+
+
 @functools.cache
 def bwrap_problem() -> str | None:
     """Why bubblewrap cannot be used here (None: it can). Checked once per process by running
-    a small program in the full sandbox (bwrap fails, e.g., in containers without user namespaces)."""
+    a small program in the full sandbox (bwrap fails, e.g., in containers without user namespaces).
+
+    A trainer running as root starts bwrap as :data:`SANDBOX_UID` where that works (it needs
+    unprivileged user namespaces), else as root, where the kernel does not apply the thread
+    limit (docs/rewards.md)."""
     if not sys.platform.startswith("linux"):
         return f"bubblewrap needs Linux (this is {sys.platform})"
     if _bwrap_path() is None:
         return "bubblewrap (bwrap) is not installed"
+    problem = None
+    candidates: list[int | None] = [SANDBOX_UID] if os.geteuid() == 0 and shutil.which("setpriv") else []
+    for uid in [*candidates, None]:
+        problem = _probe(uid)
+        if problem is None:
+            _RUN_AS[0] = uid
+            break
+    return problem
+
+
+def _probe(uid: int | None) -> str | None:
     probe = "open('/tmp/probe', 'w').write('ok')\nprint(open('/tmp/probe').read())"
     try:
-        with _Sandboxed("main", probe, "", SandboxLimits(timeout=30), "bwrap") as run:
+        with _Sandboxed("main", probe, "", SandboxLimits(timeout=30), "bwrap", run_as=uid, cgroup=False) as run:
             result = run.wait(time.monotonic() + 30)
     except OSError as exc:
         return f"bwrap could not be started: {exc}"
@@ -395,9 +656,9 @@ def run_function_test(
                     os.close(fd)
                 request_r = request_w = reply_r = reply_w = -1
                 result = tester.wait(serve.start + limits.timeout)
+                verdict = tester.verdict()
     finally:
         for fd in (request_r, request_w, reply_r, reply_w):
             if fd >= 0:
                 os.close(fd)
-    lines = result.stdout.splitlines()
-    return result.ok and bool(lines) and lines[-1] == f"PASS {nonce}"
+    return result.ok and verdict == f"PASS {nonce}\n"

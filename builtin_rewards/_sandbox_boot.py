@@ -420,6 +420,7 @@ def main() -> None:
         (resource.RLIMIT_NOFILE, 64),
         (resource.RLIMIT_NPROC, int(config["max_tasks"])),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_SIGPENDING, 64),  # queued signals and POSIX timers: kernel memory
     ):
         resource.setrlimit(limit, (value, value))
     if hasattr(sys, "set_int_max_str_digits"):

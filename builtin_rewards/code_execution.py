@@ -94,8 +94,14 @@ class CodeExecution:
         passed = [0] * len(completions)
         # Each job ends within its timeout, so a batch takes at most ceil(len(jobs) / workers) timeouts.
         with ThreadPoolExecutor(max_workers=p.max_workers or os.cpu_count() or 1) as pool:
-            for (i, _, _), ok in zip(jobs, pool.map(lambda job: self._run_test(job[1], job[2]), jobs)):
-                passed[i] += int(ok)
+            futures = []
+            for _, code, case in jobs:
+                try:
+                    futures.append(pool.submit(self._run_test, code, case))
+                except RuntimeError:  # no thread could be started (the host is short of tasks): run it here
+                    futures.append(None)
+            for (i, code, case), future in zip(jobs, futures):
+                passed[i] += int(future.result() if future is not None else self._run_test(code, case))
         out = []
         for n_passed, n_tests in zip(passed, counts):
             if n_tests == 0:

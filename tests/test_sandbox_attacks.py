@@ -623,3 +623,230 @@ def test_hostile_completions_score_zero_and_leave_nothing_behind(isolation: str)
     scores = reward(["q"] * len(completions), completions, tests=tests)
     assert scores == [0.0] * len(completions)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "grpo-sandbox-*"))) == leftovers
+
+
+# -- forging the verdict, further ---------------------------------------------------------------
+
+
+def test_objects_the_solution_names_are_never_bound_on_the_trusted_side() -> None:
+    # The solution's `add` claims to be operator.add (right answers, computed by trusted code),
+    # and ANSWER claims to be unittest.mock.ANY (equal to everything): each is only a proxy.
+    alias = (
+        "import types\ndef add(a, b):\n    return 0\nadd.__module__ = 'operator'\nadd.__qualname__ = 'add'\n"
+        "ANSWER = types.SimpleNamespace(__module__='unittest.mock', __qualname__='ANY', __name__='ANY')\n"
+        "import unittest.mock as math\n"  # a module under a standard module's name: the test's math is its own
+    )
+    assert run_function_test(alias, "assert add(2, 3) == 5", FAST) is False
+    assert run_function_test(alias, "assert ANSWER == 49 and ANSWER == 50", FAST) is False
+    assert run_function_test(alias, "assert math.floor(2.5) == 2", FAST)  # the real math, not the alias
+    assert run_function_test("def add(a, b):\n    return a + b", "assert add(2, 3) == 5", FAST)
+
+
+def test_frames_written_ahead_by_the_solution_are_not_taken_as_replies() -> None:
+    # a well-formed greeting and answers, queued before any request was made
+    frames = '{"names": {"square": "object"}, "id": 0}\\n' + '{"value": 49, "id": 1}\\n' * 8
+    solution = (
+        f"import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{frames}')\n"
+        "    except OSError:\n        pass\ndef square(x):\n    return 0"
+    )
+    assert run_function_test(solution, "assert square(3) == 49\nassert abs(square(-3)) == 49", FAST) is False
+
+
+def test_control_flow_exceptions_from_the_solution_are_data() -> None:
+    check = "def check(candidate):\n    assert all(map(lambda x: candidate(x) == x * x, [2, 3]))\ncheck(square)"
+    for raised in ("StopIteration", "StopAsyncIteration", "GeneratorExit", "SystemExit(0)", "KeyboardInterrupt"):
+        assert run_function_test(f"def square(x):\n    raise {raised}", check, FAST) is False, raised
+    assert run_function_test("def square(x):\n    return x * x", check, FAST)
+    # a solution's generator still ends its own iteration
+    assert run_function_test("def squares(n):\n    yield from (i * i for i in range(n))", "assert list(squares(3)) == [0, 1, 4]", FAST)
+
+
+def test_the_exit_status_cannot_be_forged() -> None:
+    # Descriptors of the sandbox's init (bwrap reports the program's exit through one) taken with
+    # pidfd_getfd and written to, then exit 3: the status must stay 3.
+    code = """
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+taken = 0
+pidfd = libc.syscall(434, 1, 0)  # pidfd_open(1)
+for fd in range(64):
+    stolen = libc.syscall(438, pidfd, fd, 0) if pidfd >= 0 else -1  # pidfd_getfd
+    if stolen >= 0:
+        taken += 1
+        try:
+            os.write(stolen, struct.pack("Q", 1))
+        except OSError:
+            pass
+print("taken", taken, flush=True)
+os._exit(3)
+"""
+    result = run_python(code, limits=FAST)
+    assert "taken" in result.stdout
+    assert result.returncode == 3 and not result.ok
+
+
+# -- exhausting the host ------------------------------------------------------------------------
+
+CLONE_BOMB = """
+import ctypes, mmap, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.clone.restype = ctypes.c_int
+libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+pause = ctypes.cast(libc.pause, ctypes.c_void_p)
+flags = 0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000  # VM FS FILES SIGHAND THREAD SYSVSEM
+area = mmap.mmap(-1, 4096 * 20000)  # 4 KiB stacks: 20,000 threads fit in 80 MiB of address space
+base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+made = 0
+for i in range(20000):
+    if libc.clone(pause, ctypes.c_void_p(base + 4096 * (i + 1) - 64), flags, None) < 0:
+        break
+    made += 1
+print("made", made, flush=True)
+time.sleep(30)
+"""
+
+INODE_FLOOD = """
+import os, threading, time
+end = time.monotonic() + 3.0
+def fill(t):
+    n = 0
+    try:
+        while time.monotonic() < end:
+            os.mkdir(f"{t}-{n}" + "x" * 200)  # an inode and a dentry with a long name each
+            n += 1
+    except OSError:
+        pass
+threads = [threading.Thread(target=fill, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+@pytest.fixture()
+def host_bounds() -> None:
+    """The kernel-side bounds of a run need a cgroup per run (or, for tasks, an unprivileged
+    host uid): skipped where neither is available, but failed under CI."""
+    from builtin_rewards import sandbox
+
+    if sandbox._cgroups() is None and sandbox._run_as() is None and IS_ROOT:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the host-bound tests, but no cgroup can be made and bwrap runs as root")
+        pytest.skip("no per-run cgroup here and bwrap runs as root: tasks and tmpfs files are not bounded")
+
+
+def _meminfo_kib(*fields: str) -> int:
+    values = {line.split(":")[0]: int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()}
+    return sum(values[f] for f in fields)
+
+
+@pytest.mark.usefixtures("host_bounds")
+def test_a_thread_bomb_is_bounded_and_a_peer_still_scores() -> None:
+    reward = CodeExecution(CodeExecution.Params(timeout=2.0, cpu_seconds=2, memory_mb=256, max_workers=2))
+    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.5)"
+    before = _sandbox_pids()
+    with sampling(lambda: _status_total(_sandbox_pids() - before, "Threads")) as tasks:
+        scores = reward(["q"] * 3, [CLONE_BOMB, correct, CLONE_BOMB], tests=[[{"input": "2 3", "output": "5"}]] * 3)
+    assert scores == [0.0, 1.0, 0.0]
+    assert max(tasks) <= 2 * (SandboxLimits().max_tasks + 4)  # two runs at a time, each bounded
+
+
+@pytest.mark.usefixtures("host_bounds")
+def test_kernel_memory_of_tmpfs_files_is_bounded() -> None:
+    from builtin_rewards import sandbox
+
+    if sandbox._cgroups() is None:
+        pytest.skip("the number of tmpfs files is bounded only by a per-run memory cgroup")
+    limits = SandboxLimits(timeout=4.0, cpu_seconds=4, memory_mb=64, disk_mb=1)
+    base = _meminfo_kib("Slab", "Shmem")
+    with sampling(lambda: _meminfo_kib("Slab", "Shmem") - base) as grown:
+        result = run_python(INODE_FLOOD, limits=limits)
+    assert not result.timed_out
+    # unbounded, two threads make ~250 MiB of inodes and dentries in 3 s on a slow 2-core machine
+    assert max(grown) <= (sandbox.cgroup_bytes(limits) >> 10) + 32 * 1024
+
+
+def test_sockets_of_every_family_are_refused() -> None:
+    code = """
+import socket
+families = {"inet": socket.AF_INET, "inet6": socket.AF_INET6, "unix": socket.AF_UNIX, "vsock": 40,
+            "netlink": socket.AF_NETLINK, "packet": 17}
+for name, family in families.items():
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        try:
+            socket.socket(family, kind)
+            print("opened", name, kind)
+        except OSError as exc:
+            print("refused", name, exc.errno)
+try:
+    socket.socketpair()
+    print("opened pair")
+except OSError as exc:
+    print("refused pair", exc.errno)
+"""
+    out = run(code)
+    assert "refused pair" in out and "opened" not in out
+
+
+def _concurrently(*codes: str) -> list[str]:
+    outs = [""] * len(codes)
+
+    def one(i: int) -> None:
+        outs[i] = run(codes[i], timeout=3.0, cpu_seconds=3)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(codes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+def test_concurrent_runs_cannot_signal_each_other() -> None:
+    # Each channel a receiver and a sender in two sandboxes at once: vsock loopback, inotify and
+    # dnotify on a file both see (bound read-only), and record locks and flock on it.
+    shared = os.__file__
+    receiver = f"""
+import ctypes, fcntl, os, socket, time
+heard = []
+try:
+    s = socket.socket(40, socket.SOCK_DGRAM)  # AF_VSOCK
+    s.bind((1, 4242))  # VMADDR_CID_LOCAL
+    s.settimeout(2)
+    heard.append(("vsock", s.recv(100)))
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+if fd >= 0 and libc.inotify_add_watch(fd, {shared!r}.encode(), 0xFFF) >= 0:
+    time.sleep(1.5)
+    try:
+        heard.append(("inotify", os.read(fd, 4096)))
+    except OSError:
+        pass
+f = open({shared!r}, "rb")
+for attempt in (lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB),
+                lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB),
+                lambda: fcntl.fcntl(os.open(os.path.dirname({shared!r}), os.O_RDONLY), 1026, 0x80000001)):
+    try:
+        attempt()
+        heard.append(("lock", "taken"))
+    except OSError:
+        pass
+print("heard", heard)
+"""
+    sender = f"""
+import socket, time
+for _ in range(20):
+    try:
+        socket.socket(40, socket.SOCK_DGRAM).sendto(b"grpo-vsock", (1, 4242))
+    except OSError:
+        pass
+    open({shared!r}, "rb").read(1)
+    time.sleep(0.1)
+print("sent")
+"""
+    heard, sent = _concurrently(receiver, sender)
+    assert "sent" in sent
+    assert "heard []" in heard

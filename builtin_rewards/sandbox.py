@@ -276,7 +276,7 @@ class _Cgroups:
             for d in dirs:
                 os.mkdir(d, 0o700)
                 cgroup.dirs.append(d)
-            tasks, memory = str(int(limits.max_tasks) + 4), str(cgroup_bytes(limits))  # + sh, bwrap, its init
+            tasks, memory = str(int(limits.max_tasks) + 2), str(cgroup_bytes(limits))  # + bwrap (sh execs it), its init
             pids_dir, memory_dir = (os.path.join(self.parents[c], name) for c in ("pids", "memory"))
             if self.version == 2:
                 files = [("pids.max", tasks), ("memory.max", memory), ("memory.swap.max", "0")]

@@ -4,7 +4,7 @@
 visible inside the sandbox). Standard library only; it runs in the sandboxed interpreter.
 
 1. Resource limits, soft = hard so the program cannot raise them: CPU seconds, address space,
-   file size (also caps its output), open files, threads/processes, no core dumps.
+   file size (also caps its output), open files, tasks, queued signals, no core dumps.
 2. With ``weak`` (the ``unsafe_local`` fallback, no bubblewrap): Landlock and an audit hook, the
    older home-made write protection (see docs/rewards.md for what it does not contain).
 3. The mode:
@@ -12,11 +12,14 @@ visible inside the sandbox). Standard library only; it runs in the sandboxed int
    * ``main`` -- run the program (the first ``source`` bytes of stdin) as ``__main__``; the rest
      of stdin is its input.
    * ``serve`` -- untrusted side of a function-call test: load the program as module
-     ``solution``, then answer call requests over the channel fds with plain data (JSON).
+     ``solution``, then answer call requests over the channel fds with plain data (JSON). The
+     solution shares this process, so everything it sends is the solution's to forge.
    * ``test`` -- trusted side, in a separate sandbox: run the test code (stdin) with the
      solution's names bound to proxies that call into the ``serve`` sandbox; only plain data
-     comes back, so every comparison is made here, never by the solution's code. Prints
-     ``PASS <nonce>`` when the test code ran to its end (only this process knows the nonce).
+     comes back, decoded by value, so every comparison is made here, never by the solution's
+     code, and nothing the solution names is imported here. Each reply must echo the random id
+     of its request. Writes ``PASS <nonce>`` to the verdict file when the test code ran to its
+     end (only this process holds that file and knows the nonce).
 """
 
 from __future__ import annotations  # annotations use only builtins: no typing import at start-up

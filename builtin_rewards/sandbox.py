@@ -4,13 +4,15 @@ On Linux every run is a fresh bubblewrap (``bwrap``) sandbox: its own user, pid,
 uts and cgroup namespaces, no capabilities, uid 65534, a new session, a cleared environment,
 read-only binds of only the interpreter, its standard library and the system libraries, a
 private size-capped tmpfs as working directory, no ``/proc``, a read-only minimal ``/dev``, no
-nested user namespaces, and a seccomp filter that refuses to start processes (threads work)
-and a few kernel interfaces a program has no use for. Resource limits (CPU seconds, address
-space, file size, open files, threads) are set by the trusted boot code
-(:mod:`builtin_rewards._sandbox_boot`) before the program runs. Nothing outlives a run: at the
-wall-clock timeout (or when a run is no longer needed) the sandbox's init process is killed,
-which ends its pid namespace, and ``--die-with-parent`` covers the trainer dying; stdin and
-outputs are memory files, so nothing of a run is left on disk.
+nested user namespaces, and a seccomp filter that refuses to start processes (threads work),
+sockets, and the kernel interfaces that reach other processes or pin memory outside the limits.
+Resource limits (CPU seconds, address space, file size, open files, tasks) are set by the
+trusted boot code (:mod:`builtin_rewards._sandbox_boot`) before the program runs; where the
+host allows, each run also gets a pids and memory cgroup of its own, and a root trainer starts
+bwrap as an unprivileged host uid (the kernel applies no task limit to uid 0). Nothing outlives
+a run: at the wall-clock timeout (or when a run is no longer needed) the sandbox's init process
+is killed, which ends its pid namespace, and ``--die-with-parent`` covers the trainer dying;
+stdin and outputs are memory files, so nothing of a run is left on disk.
 
 Where bubblewrap is not usable, :func:`run_python` refuses (:class:`SandboxUnavailable`) unless
 ``isolation="unsafe_local"``: the older process with rlimits, Landlock and an audit hook, which
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +62,10 @@ class SandboxLimits:
 
     timeout: float = 5.0  # wall-clock seconds, then the sandbox is killed
     cpu_seconds: int = 5
-    memory_mb: int = 512  # address space of the sandbox's one process
+    memory_mb: int = 512  # address space of the sandbox's one process (its cgroup: + disk_mb + 64 MiB)
     max_output_bytes: int = 1 << 20  # stdout, stderr, and the largest file it may write
     disk_mb: int = 64  # size of its writable tmpfs
-    max_tasks: int = 64  # threads (RLIMIT_NPROC); starting processes is refused under bwrap
+    max_tasks: int = 64  # threads (RLIMIT_NPROC, and pids.max of its cgroup); processes are refused under bwrap
 
 
 @dataclass(frozen=True)
@@ -236,9 +239,9 @@ class _Cgroup:
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
-    def remove(self) -> bool:
-        """Remove it (retrying while the kernel tears the run's processes down); False: still busy."""
-        for _ in range(100):
+    def remove(self, tries: int = 1) -> bool:
+        """Remove it; False while the kernel is still tearing the run's processes down."""
+        for attempt in range(tries):
             for d in list(self.dirs):
                 try:
                     os.rmdir(d)
@@ -249,7 +252,8 @@ class _Cgroup:
                 self.dirs.remove(d)
             if not self.dirs:
                 return True
-            time.sleep(0.01)
+            if attempt + 1 < tries:
+                time.sleep(0.01)
         return False
 
 
@@ -262,13 +266,15 @@ class _Cgroups:
         self.parents = parents  # controller -> the parent directory runs are made in
         self._names = itertools.count()
         self._busy: list[_Cgroup] = []
+        self._lock = threading.Lock()
         atexit.register(self._remove_all)
 
     def make(self, limits: SandboxLimits) -> _Cgroup:
         """A fresh cgroup with ``limits``' bounds (raises OSError when it cannot be made)."""
-        for cgroup in self._busy[:]:  # those whose processes were slow to go last time
-            if cgroup.remove():
-                self._busy.remove(cgroup)
+        with self._lock:  # those whose processes were still going when released
+            busy, self._busy = self._busy, []
+        for cgroup in busy:
+            self.release(cgroup)
         name = str(next(self._names))
         dirs = sorted({os.path.join(parent, name) for parent in self.parents.values()})
         cgroup = _Cgroup([])
@@ -295,11 +301,12 @@ class _Cgroups:
 
     def release(self, cgroup: _Cgroup) -> None:
         if not cgroup.remove():
-            self._busy.append(cgroup)
+            with self._lock:
+                self._busy.append(cgroup)
 
     def _remove_all(self) -> None:
         for cgroup in self._busy:
-            cgroup.remove()
+            cgroup.remove(tries=100)
         for parent in set(self.parents.values()):
             with contextlib.suppress(OSError):
                 os.rmdir(parent)

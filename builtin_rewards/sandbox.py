@@ -267,6 +267,7 @@ class _Cgroups:
         self._names = itertools.count()
         self._busy: list[_Cgroup] = []
         self._lock = threading.Lock()
+        self._owner = os.getpid()
         atexit.register(self._remove_all)
 
     def make(self, limits: SandboxLimits) -> _Cgroup:
@@ -275,7 +276,7 @@ class _Cgroups:
             busy, self._busy = self._busy, []
         for cgroup in busy:
             self.release(cgroup)
-        name = str(next(self._names))
+        name = f"{os.getpid()}-{next(self._names)}"  # a forked trainer process shares the parent
         dirs = sorted({os.path.join(parent, name) for parent in self.parents.values()})
         cgroup = _Cgroup([])
         try:
@@ -287,7 +288,8 @@ class _Cgroups:
             if self.version == 2:
                 files = [("pids.max", tasks), ("memory.max", memory), ("memory.swap.max", "0")]
             else:
-                files = [("pids.max", tasks), ("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)]
+                files = [("pids.max", tasks), ("memory.limit_in_bytes", memory)]
+                files.append(("memory.memsw.limit_in_bytes", memory))  # memory + swap
             for file, value in files:
                 path = os.path.join(pids_dir if file.startswith("pids") else memory_dir, file)
                 if file.startswith(("memory.swap", "memory.memsw")) and not os.path.exists(path):
@@ -305,6 +307,8 @@ class _Cgroups:
                 self._busy.append(cgroup)
 
     def _remove_all(self) -> None:
+        if os.getpid() != self._owner:
+            return  # a forked process: the parent cgroups are its parent's
         for cgroup in self._busy:
             cgroup.remove(tries=100)
         for parent in set(self.parents.values()):
@@ -327,6 +331,20 @@ def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
                     if controller in options:
                         v1.setdefault(controller, point)
     return v2, v1
+
+
+def _remove_stale(where: str) -> None:
+    """Remove the (empty) cgroups left by trainer processes that were killed before their exit."""
+    for entry in os.listdir(where):
+        pid = entry.removeprefix("grpo-sandbox-")
+        if entry.startswith("grpo-sandbox-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            stale = os.path.join(where, entry)
+            for child in os.listdir(stale):
+                with contextlib.suppress(OSError):
+                    if os.path.isdir(os.path.join(stale, child)):
+                        os.rmdir(os.path.join(stale, child))
+            with contextlib.suppress(OSError):
+                os.rmdir(stale)
 
 
 def _find_cgroups() -> _Cgroups:
@@ -359,6 +377,7 @@ def _find_cgroups() -> _Cgroups:
     made = []
     try:
         for parent in sorted(set(parents.values())):
+            _remove_stale(os.path.dirname(parent))
             os.mkdir(parent, 0o700)
             made.append(parent)
         if version == 2:
@@ -378,15 +397,22 @@ def _find_cgroups() -> _Cgroups:
     return cgroups
 
 
-@functools.cache
+_CGROUPS_LOCK = threading.Lock()
+_CGROUPS: list[_Cgroups | None] = []  # filled once
+
+
 def _cgroups() -> _Cgroups | None:
-    """The per-run cgroups, or None where this host does not let the trainer make them."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return _find_cgroups()
-    except (OSError, ValueError, KeyError, IndexError):
-        return None
+    """The per-run cgroups, or None where this host does not let the trainer make them (looked
+    for once per process, by the first run)."""
+    if not _CGROUPS:
+        with _CGROUPS_LOCK:
+            if not _CGROUPS:
+                try:
+                    found = _find_cgroups() if sys.platform.startswith("linux") else None
+                except (OSError, ValueError, KeyError, IndexError, subprocess.SubprocessError):
+                    found = None
+                _CGROUPS.append(found)
+    return _CGROUPS[0]
 
 
 # -- one sandboxed process ----------------------------------------------------------------------

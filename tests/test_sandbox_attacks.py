@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_procs import sandbox_pids as _sandbox_pids
+from sandbox_procs import CLONE_BOMB, sandbox_pids as _sandbox_pids
 
 from builtin_rewards.code_execution import CodeExecution
 from builtin_rewards.sandbox import SandboxLimits, _layout, run_function_test, run_python
@@ -658,7 +658,8 @@ def test_control_flow_exceptions_from_the_solution_are_data() -> None:
         assert run_function_test(f"def square(x):\n    raise {raised}", check, FAST) is False, raised
     assert run_function_test("def square(x):\n    return x * x", check, FAST)
     # a solution's generator still ends its own iteration
-    assert run_function_test("def squares(n):\n    yield from (i * i for i in range(n))", "assert list(squares(3)) == [0, 1, 4]", FAST)
+    squares = "def squares(n):\n    yield from (i * i for i in range(n))"
+    assert run_function_test(squares, "assert list(squares(3)) == [0, 1, 4]", FAST)
 
 
 def test_the_exit_status_cannot_be_forged() -> None:
@@ -686,24 +687,6 @@ os._exit(3)
 
 
 # -- exhausting the host ------------------------------------------------------------------------
-
-CLONE_BOMB = """
-import ctypes, mmap, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.clone.restype = ctypes.c_int
-libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-pause = ctypes.cast(libc.pause, ctypes.c_void_p)
-flags = 0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000  # VM FS FILES SIGHAND THREAD SYSVSEM
-area = mmap.mmap(-1, 4096 * 20000)  # 4 KiB stacks: 20,000 threads fit in 80 MiB of address space
-base = ctypes.addressof(ctypes.c_char.from_buffer(area))
-made = 0
-for i in range(20000):
-    if libc.clone(pause, ctypes.c_void_p(base + 4096 * (i + 1) - 64), flags, None) < 0:
-        break
-    made += 1
-print("made", made, flush=True)
-time.sleep(30)
-"""
 
 INODE_FLOOD = """
 import os, threading, time
@@ -750,6 +733,12 @@ def test_a_thread_bomb_is_bounded_and_a_peer_still_scores() -> None:
         scores = reward(["q"] * 3, [CLONE_BOMB, correct, CLONE_BOMB], tests=[[{"input": "2 3", "output": "5"}]] * 3)
     assert scores == [0.0, 1.0, 0.0]
     assert max(tasks) <= 2 * (SandboxLimits().max_tasks + 4)  # two runs at a time, each bounded
+    from builtin_rewards import sandbox
+
+    if sandbox._run_as() is not None or not IS_ROOT:  # RLIMIT_NPROC binds too: check it without the cgroup
+        with sandbox._Sandboxed("main", CLONE_BOMB, "", FAST, "bwrap", cgroup=False) as bomb:
+            result = bomb.wait(bomb.start + FAST.timeout)
+        assert int(result.stdout.split("made")[1].split()[0]) < FAST.max_tasks
 
 
 @pytest.mark.usefixtures("host_bounds")

@@ -316,21 +316,30 @@ class _Cgroups:
                 os.rmdir(parent)
 
 
-def _cgroup_mounts() -> tuple[str | None, dict[str, str]]:
-    """(the cgroup v2 mount point, {v1 controller: its mount point}) from /proc/self/mountinfo."""
+def _cgroup_mounts() -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
+    """The cgroup v2 mount and {v1 controller: its mount}, each as (the cgroup the mount shows
+    at its top, the mount point), from /proc/self/mountinfo."""
     v2, v1 = None, {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             sep = fields.index("-")
-            point, fstype, options = fields[4], fields[sep + 1], fields[sep + 3].split(",")
+            mount, fstype, options = (fields[3], fields[4]), fields[sep + 1], fields[sep + 3].split(",")
             if fstype == "cgroup2" and v2 is None:
-                v2 = point
+                v2 = mount
             elif fstype == "cgroup":
                 for controller in ("pids", "memory"):
                     if controller in options:
-                        v1.setdefault(controller, point)
+                        v1.setdefault(controller, mount)
     return v2, v1
+
+
+def _cgroup_dir(mount: tuple[str, str], path: str) -> str:
+    """The directory of cgroup ``path`` (as /proc/self/cgroup names it) under ``mount``."""
+    top, point = mount
+    if top != "/" and (path == top or path.startswith(top + "/")):
+        path = path[len(top) :] or "/"
+    return point.rstrip("/") + path
 
 
 def _remove_stale(where: str) -> None:
@@ -347,27 +356,33 @@ def _remove_stale(where: str) -> None:
                 os.rmdir(stale)
 
 
-def _find_cgroups() -> _Cgroups:
-    """Where this trainer can make per-run cgroups with both a pids and a memory bound (raises
-    OSError, ValueError or KeyError where it cannot: no permission, no delegation, controllers
-    missing)."""
-    v2, v1 = _cgroup_mounts()
-    own: dict[str, str] = {}
+def _own_cgroups() -> dict[str, str]:
+    """{controller ("unified" for cgroup v2): this process's cgroup} from /proc/self/cgroup."""
+    own = {}
     with open("/proc/self/cgroup") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
             for controller in controllers.split(",") if controllers else ["unified"]:
                 own[controller] = path
+    return own
+
+
+def _find_cgroups() -> _Cgroups:
+    """Where this trainer can make per-run cgroups with both a pids and a memory bound (raises
+    OSError, ValueError or KeyError where it cannot: no permission, no delegation, controllers
+    missing)."""
+    v2, v1 = _cgroup_mounts()
+    own = _own_cgroups()
     name = f"grpo-sandbox-{os.getpid()}"
     if "pids" in v1 and "memory" in v1:
-        parents = {c: os.path.join(v1[c] + own[c], name) for c in ("pids", "memory")}
+        parents = {c: os.path.join(_cgroup_dir(v1[c], own[c]), name) for c in ("pids", "memory")}
         version = 1
     else:
         if v2 is None:
             raise OSError("no cgroup v2 mount")
         # A sibling of this process's cgroup (cgroup v2 puts no processes in a cgroup that
         # hands controllers to its children); its parent must hand it pids and memory.
-        here = v2 + own["unified"]
+        here = _cgroup_dir(v2, own["unified"])
         above = here if own["unified"] == "/" else os.path.dirname(here)
         with open(os.path.join(above, "cgroup.subtree_control")) as f:
             if not {"pids", "memory"} <= set(f.read().split()):

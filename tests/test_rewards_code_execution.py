@@ -4,6 +4,7 @@ The hostile programs are in test_sandbox_attacks.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from pathlib import Path
@@ -161,3 +162,30 @@ def test_threads_work_but_processes_cannot_be_started(bwrap):
         "try:\n    os.fork()\nexcept OSError as exc:\n    out.append(type(exc).__name__)\nprint(*out)"
     )
     assert run_python(code, limits=FAST).stdout == "thread PermissionError\n"
+
+
+def test_cgroup_v2_runs_are_made_beside_the_trainers_cgroup(tmp_path: Path, monkeypatch):
+    # A stand-in cgroup v2 tree (plain files): the trainer is in /svc/trainer, whose parent /svc
+    # delegates pids and memory; runs go in a sibling, with pids.max and memory.max written.
+    (tmp_path / "svc" / "trainer").mkdir(parents=True)
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu pids memory\n")
+    monkeypatch.setattr(sandbox, "_cgroup_mounts", lambda: (("/", str(tmp_path)), {}))
+    monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {"unified": "/svc/trainer"})
+    found = sandbox._find_cgroups()
+    atexit.unregister(found._remove_all)  # its trial run's files are plain files here: never removable
+    parent = tmp_path / "svc" / f"grpo-sandbox-{os.getpid()}"
+    assert found.version == 2 and found.parents == {"pids": str(parent), "memory": str(parent)}
+    assert (parent / "cgroup.subtree_control").read_text() == "+pids +memory"
+    limits = SandboxLimits(memory_mb=100, disk_mb=10, max_tasks=30)
+    run = found.make(limits)
+    assert [(Path(d) / "pids.max").read_text() for d in run.dirs] == ["32"]
+    assert [(Path(d) / "memory.max").read_text() for d in run.dirs] == [str((100 + 10 + 64) << 20)]
+    dirs = list(run.dirs)
+    for d in dirs:  # a real cgroup directory holds only kernel files, which rmdir ignores
+        for f in Path(d).iterdir():
+            f.unlink()
+    found.release(run)
+    assert dirs and not any(os.path.exists(d) for d in dirs)
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu\n")  # not delegated: no cgroups
+    with pytest.raises(OSError, match="does not delegate"):
+        sandbox._find_cgroups()

@@ -47,7 +47,9 @@ class CodeExecution:
         column: str = Field("tests", description="Dataset column holding each sample's test cases.")
         timeout: float = Field(5.0, gt=0, description="Wall-clock seconds per test before the sandbox is killed.")
         cpu_seconds: int = Field(5, ge=1, description="CPU-time limit per test (RLIMIT_CPU).")
-        memory_mb: int = Field(512, ge=16, description="Address-space limit per test (RLIMIT_AS).")
+        memory_mb: int = Field(
+            512, ge=16, description="Address-space limit per test (RLIMIT_AS); its cgroup's bound adds disk_mb + 64 MiB."
+        )
         max_output_bytes: int = Field(1 << 20, ge=1024, description="Output and file-size limit (RLIMIT_FSIZE).")
         disk_mb: int = Field(64, ge=1, description="Size of the sandbox's writable tmpfs.")
         max_workers: int | None = Field(None, ge=1, description="Tests run in parallel; default: CPU count.")

@@ -189,3 +189,16 @@ def test_cgroup_v2_runs_are_made_beside_the_trainers_cgroup(tmp_path: Path, monk
     (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu\n")  # not delegated: no cgroups
     with pytest.raises(OSError, match="does not delegate"):
         sandbox._find_cgroups()
+
+
+def test_tests_still_run_when_no_worker_thread_can_start(monkeypatch, bwrap):
+    import concurrent.futures as cf
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", no_thread)
+    tests = [[{"input": "2 3", "output": "5"}, "assert add(2, 3) == 5"]] * 2
+    right = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    completions = [right, "def add(a, b):\n    return 0"]
+    assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]

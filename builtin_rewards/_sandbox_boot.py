@@ -397,15 +397,14 @@ def _run_test(code: str, channel: _Channel, nonce: str, verdict_fd: int) -> None
         if isinstance(name, str) and name.isidentifier() and not name.startswith("__") and not hasattr(builtins, name):
             namespace[name] = Remote(name=name)  # a builtin (abs, sorted) is always the real one
     # A standard-library module the test refers to by its own name (``math.isclose``) is this
-    # side's import of that name, decided by the test's text -- never an object the solution
-    # points at, whatever it calls it or claims it is. Where the solution binds that name to
-    # something other than a module, its object wins (a function named ``heapq``).
+    # side's import of that name, decided by the test's text alone -- never an object the
+    # solution points at, whatever it calls it or claims it is, and never the solution's own
+    # object of that name (which could answer ``math.isclose(...)`` with True).
     for name in _test_names(compiled) & set(getattr(sys, "stdlib_module_names", ())):
-        if name not in namespace or hello["names"].get(name) == "module":
-            try:
-                namespace[name] = importlib.import_module(name)
-            except Exception:
-                pass
+        try:
+            namespace[name] = importlib.import_module(name)
+        except Exception:
+            pass
     exec(compiled, namespace)
     os.write(verdict_fd, ("PASS %s\n" % nonce).encode())
 

@@ -639,6 +639,8 @@ def test_objects_the_solution_names_are_never_bound_on_the_trusted_side() -> Non
     assert run_function_test(alias, "assert add(2, 3) == 5", FAST) is False
     assert run_function_test(alias, "assert ANSWER == 49 and ANSWER == 50", FAST) is False
     assert run_function_test(alias, "assert math.floor(2.5) == 2", FAST)  # the real math, not the alias
+    own_math = "class math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef area(r):\n    return 0"
+    assert run_function_test(own_math, "assert math.isclose(area(2), 12.566, rel_tol=1e-3)", FAST) is False
     assert run_function_test("def add(a, b):\n    return a + b", "assert add(2, 3) == 5", FAST)
 
 

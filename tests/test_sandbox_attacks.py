@@ -734,7 +734,9 @@ def test_a_thread_bomb_is_bounded_and_a_peer_still_scores() -> None:
     with sampling(lambda: _status_total(_sandbox_pids() - before, "Threads")) as tasks:
         scores = reward(["q"] * 3, [CLONE_BOMB, correct, CLONE_BOMB], tests=[[{"input": "2 3", "output": "5"}]] * 3)
     assert scores == [0.0, 1.0, 0.0]
-    assert max(tasks) <= 2 * (SandboxLimits().max_tasks + 4)  # two runs at a time, each bounded
+    # each run bounded (two at a time, and a finished run's threads may take a moment to go):
+    # unbounded, one such run makes 20,000 tasks
+    assert max(tasks) <= 3 * (SandboxLimits().max_tasks + 4)
     from builtin_rewards import sandbox
 
     if sandbox._run_as() is not None or not IS_ROOT:  # RLIMIT_NPROC binds too: check it without the cgroup

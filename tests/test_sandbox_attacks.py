@@ -728,8 +728,8 @@ def _meminfo_kib(*fields: str) -> int:
 
 @pytest.mark.usefixtures("host_bounds")
 def test_a_thread_bomb_is_bounded_and_a_peer_still_scores() -> None:
-    reward = CodeExecution(CodeExecution.Params(timeout=2.0, cpu_seconds=2, memory_mb=256, max_workers=2))
-    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.5)"
+    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3, memory_mb=256, max_workers=2))
+    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.3)"  # runs beside a bomb
     before = _sandbox_pids()
     with sampling(lambda: _status_total(_sandbox_pids() - before, "Threads")) as tasks:
         scores = reward(["q"] * 3, [CLONE_BOMB, correct, CLONE_BOMB], tests=[[{"input": "2 3", "output": "5"}]] * 3)

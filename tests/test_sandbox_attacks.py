@@ -664,6 +664,19 @@ def test_control_flow_exceptions_from_the_solution_are_data() -> None:
     assert run_function_test(squares, "assert list(squares(3)) == [0, 1, 4]", FAST)
 
 
+def test_each_kind_of_forgery_scores_zero_beside_a_correct_solution() -> None:
+    forgeries = [
+        "def add(a, b):\n    return 0\nadd.__module__ = 'operator'\nadd.__qualname__ = 'add'",  # a trusted stand-in
+        "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"names\": {\"add\": \"object\"}, \"id\": 0}\\n'"
+        " + b'{\"value\": 5, \"id\": 1}\\n{\"value\": 2, \"id\": 2}\\n')\n    except OSError:\n        pass\ndef add(a, b):\n    return 0",
+        "def add(a, b):\n    raise StopIteration",
+    ]
+    check = "def check(candidate):\n    assert all(map(lambda ab: candidate(*ab) == sum(ab), [(2, 3), (1, 1)]))\ncheck(add)"
+    completions = [*forgeries, "def add(a, b):\n    return a + b"]
+    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3, max_workers=2))
+    assert reward(["q"] * len(completions), completions, tests=[[check]] * len(completions)) == [0.0, 0.0, 0.0, 1.0]
+
+
 def test_the_exit_status_cannot_be_forged() -> None:
     # Descriptors of the sandbox's init (bwrap reports the program's exit through one) taken with
     # pidfd_getfd and written to, then exit 3: the status must stay 3.
@@ -751,13 +764,14 @@ def test_kernel_memory_of_tmpfs_files_is_bounded() -> None:
 
     if sandbox._cgroups() is None:
         pytest.skip("the number of tmpfs files is bounded only by a per-run memory cgroup")
-    limits = SandboxLimits(timeout=4.0, cpu_seconds=4, memory_mb=64, disk_mb=1)
+    reward = CodeExecution(CodeExecution.Params(timeout=4.0, cpu_seconds=4, memory_mb=64, disk_mb=1, max_workers=2))
+    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.3)"  # runs beside the flood
     base = _meminfo_kib("Slab", "Shmem")
     with sampling(lambda: _meminfo_kib("Slab", "Shmem") - base) as grown:
-        result = run_python(INODE_FLOOD, limits=limits)
-    assert not result.timed_out
-    # unbounded, two threads make ~250 MiB of inodes and dentries in 3 s on a slow 2-core machine
-    assert max(grown) <= (sandbox.cgroup_bytes(limits) >> 10) + 32 * 1024
+        scores = reward(["q"] * 2, [INODE_FLOOD, correct], tests=[[{"input": "2 3", "output": "5"}]] * 2)
+    assert scores == [0.0, 1.0]
+    # unbounded, two threads make ~200 MiB of inodes and dentries in 3 s on a slow 2-core machine
+    assert max(grown) <= (sandbox.cgroup_bytes(reward.limits) >> 10) + 32 * 1024
 
 
 def test_sockets_of_every_family_are_refused() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from builtin_rewards._text import column, completion_text
-from builtin_rewards.sandbox import Isolation, SandboxLimits, check_isolation, run_function_test, run_python
+from builtin_rewards.sandbox import (
+    Isolation,
+    SandboxLimits,
+    check_isolation,
+    host_bounds,
+    run_function_test,
+    run_python,
+)
+
+logger = logging.getLogger(__name__)
+_LOGGED: list[bool] = []  # the host's bounds are said once per process
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -63,6 +74,10 @@ class CodeExecution:
     def __init__(self, params: Params | None = None) -> None:
         self.params = p = params or self.Params()
         check_isolation(p.sandbox)
+        if p.sandbox == "bwrap" and not _LOGGED:
+            _LOGGED.append(True)
+            text, bounded = host_bounds()
+            (logger.info if bounded else logger.warning)("code_execution sandbox: %s", text)
         self.limits = SandboxLimits(
             timeout=p.timeout,
             cpu_seconds=p.cpu_seconds,

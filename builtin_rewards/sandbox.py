@@ -662,6 +662,22 @@ def _probe(uid: int | None) -> str | None:
     return f"bwrap is installed but cannot run the sandbox here ({detail})"
 
 
+def host_bounds() -> tuple[str, bool]:
+    """Which bound applies to a run's tasks and the kernel memory it can pin on this host (the
+    table in docs/rewards.md), and whether both are bounded."""
+    cgroups, uid = _cgroups(), _run_as()
+    who = f"bwrap runs as host uid {uid}" if uid is not None else f"bwrap runs as uid {os.geteuid()}"
+    if cgroups is not None:
+        return f"a pids and memory cgroup (v{cgroups.version}) per run; {who}", True
+    if uid is not None or os.geteuid() != 0:
+        return f"no per-run cgroup: tasks bounded by RLIMIT_NPROC, tmpfs inodes not bounded; {who}", False
+    return (
+        "no per-run cgroup and bwrap runs as root: a run's tasks are bounded only by its address space "
+        "and tmpfs inodes not at all (let the trainer make cgroups, or run it as an ordinary user)",
+        False,
+    )
+
+
 def check_isolation(isolation: Isolation) -> None:
     """Raise :class:`SandboxUnavailable` naming the fix when ``isolation`` cannot be provided."""
     if isolation == "bwrap":

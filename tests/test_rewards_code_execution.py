@@ -202,3 +202,17 @@ def test_tests_still_run_when_no_worker_thread_can_start(monkeypatch, bwrap):
     right = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
     completions = [right, "def add(a, b):\n    return 0"]
     assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]
+
+
+def test_the_reward_says_which_bound_applies(monkeypatch, bwrap):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox, "_RUN_AS", [None])
+    monkeypatch.setattr(sandbox, "_CGROUPS", [None])
+    text, bounded = sandbox.host_bounds()
+    assert not bounded and "bounded only by its address space" in text
+    monkeypatch.setattr(sandbox, "_RUN_AS", [65534])
+    text, bounded = sandbox.host_bounds()
+    assert not bounded and text.startswith("no per-run cgroup: tasks bounded by RLIMIT_NPROC") and "uid 65534" in text
+    monkeypatch.setattr(sandbox, "_CGROUPS", [sandbox._Cgroups.__new__(sandbox._Cgroups)])
+    sandbox._CGROUPS[0].version = 2
+    assert sandbox.host_bounds() == ("a pids and memory cgroup (v2) per run; bwrap runs as host uid 65534", True)

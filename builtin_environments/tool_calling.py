@@ -224,11 +224,14 @@ class ToolCalling(TurnBasedEnvironment):
         if fn is None:
             return f"Error: unknown tool '{name}'; the tools are: {', '.join(self.functions)}"
         assert self._pool is not None
-        if inspect.iscoroutinefunction(fn):  # async tools, as TRL allows
-            import asyncio
+        try:
+            if inspect.iscoroutinefunction(fn):  # async tools, as TRL allows
+                import asyncio
 
-            return self._pool.submit(lambda: asyncio.run(fn(**arguments)))
-        return self._pool.submit(fn, **arguments)
+                return self._pool.submit(lambda: asyncio.run(fn(**arguments)))
+            return self._pool.submit(fn, **arguments)
+        except RuntimeError as exc:  # "can't start new thread": the host is short of tasks; the episode goes on
+            return f"Error: tool '{name}' could not be started ({exc})"
 
     def _result(self, name: str, future: cf.Future[Any] | str, deadline: float) -> tuple[str, bool]:
         """The tool message's text, and whether the call failed."""

@@ -93,7 +93,10 @@ def python(code: str) -> str:
         timeout=PYTHON_TIMEOUT_S, cpu_seconds=math.ceil(PYTHON_TIMEOUT_S), memory_mb=PYTHON_MEMORY_MB,
         max_output_bytes=PYTHON_MAX_OUTPUT_CHARS * 4,
     )
-    result = run_python(code, limits=limits)
+    try:
+        result = run_python(code, limits=limits)
+    except Exception as exc:  # noqa: BLE001 - e.g. the host out of processes: the model's error, not the trainer's
+        return f"Error: the program could not be run ({type(exc).__name__}: {exc})"
     out = result.stdout
     # Killed at the wall clock, or by the CPU-time limit (SIGKILL / SIGXCPU): either is the time limit.
     if result.timed_out or result.returncode in (128 + 9, 128 + 24, -9, -24):

@@ -4,7 +4,7 @@
 visible inside the sandbox). Standard library only; it runs in the sandboxed interpreter.
 
 1. Resource limits, soft = hard so the program cannot raise them: CPU seconds, address space,
-   file size (also caps its output), open files, threads/processes, no core dumps.
+   file size (also caps its output), open files, tasks, queued signals, no core dumps.
 2. With ``weak`` (the ``unsafe_local`` fallback, no bubblewrap): Landlock and an audit hook, the
    older home-made write protection (see docs/rewards.md for what it does not contain).
 3. The mode:
@@ -12,11 +12,14 @@ visible inside the sandbox). Standard library only; it runs in the sandboxed int
    * ``main`` -- run the program (the first ``source`` bytes of stdin) as ``__main__``; the rest
      of stdin is its input.
    * ``serve`` -- untrusted side of a function-call test: load the program as module
-     ``solution``, then answer call requests over the channel fds with plain data (JSON).
+     ``solution``, then answer call requests over the channel fds with plain data (JSON). The
+     solution shares this process, so everything it sends is the solution's to forge.
    * ``test`` -- trusted side, in a separate sandbox: run the test code (stdin) with the
      solution's names bound to proxies that call into the ``serve`` sandbox; only plain data
-     comes back, so every comparison is made here, never by the solution's code. Prints
-     ``PASS <nonce>`` when the test code ran to its end (only this process knows the nonce).
+     comes back, decoded by value, so every comparison is made here, never by the solution's
+     code, and nothing the solution names is imported here. Each reply must echo the random id
+     of its request. Writes ``PASS <nonce>`` to the verdict file when the test code ran to its
+     end (only this process holds that file and knows the nonce).
 """
 
 from __future__ import annotations  # annotations use only builtins: no typing import at start-up
@@ -213,7 +216,11 @@ class _Channel:
 
 
 def _serve(code: object, channel: _Channel) -> None:
-    """Untrusted side: load the solution, then answer requests until the channel closes."""
+    """Untrusted side: load the solution, then answer requests until the channel closes.
+
+    Everything this process sends is the solution's to forge (it shares the process), so the
+    test side takes each reply as no more than plain data: what the solution answered.
+    """
     import types
 
     refs = []
@@ -221,20 +228,13 @@ def _serve(code: object, channel: _Channel) -> None:
     sys.modules["solution"] = module
     try:
         exec(code, module.__dict__)
+        names = {}
+        for name, value in list(module.__dict__.items()):
+            if not name.startswith("__"):
+                names[name] = "module" if isinstance(value, types.ModuleType) else "object"
+        loaded = {"names": names}
     except BaseException as exc:  # the solution's own failure is reported, not fatal here
-        channel.send({"raise": [type(exc).__name__, str(exc)[:500]]})
-        return
-    names = {}
-    for name, value in list(module.__dict__.items()):
-        if name.startswith("__"):
-            continue
-        if isinstance(value, types.ModuleType):
-            names[name] = ["module", value.__name__]
-        elif getattr(value, "__module__", "solution") not in ("solution", None) and hasattr(value, "__qualname__"):
-            names[name] = ["import", value.__module__, value.__qualname__]
-        else:
-            names[name] = ["remote"]
-    channel.send({"names": names})
+        loaded = {"raise": [type(exc).__name__, str(exc)[:500]]}
 
     def target(t: dict) -> object:
         return module.__dict__[t["name"]] if "name" in t else refs[t["ref"]]
@@ -244,6 +244,9 @@ def _serve(code: object, channel: _Channel) -> None:
             request = channel.receive()
         except EOFError:
             return
+        if request["op"] == "names":
+            channel.send({**loaded, "id": request["id"]})
+            continue
         try:
             op, obj = request["op"], target(request["target"])
             if op == "call":
@@ -255,34 +258,88 @@ def _serve(code: object, channel: _Channel) -> None:
             elif op == "iter":
                 value = iter(obj)
             else:
-                value = next(obj)
-            reply = {"value": _encode(value, refs)}
+                try:
+                    value = next(obj)
+                except StopIteration:
+                    channel.send({"stop": True, "id": request["id"]})
+                    continue
+            reply = {"value": _encode(value, refs), "id": request["id"]}
         except BaseException as exc:
-            reply = {"raise": [type(exc).__name__, str(exc)[:500]]}
+            reply = {"raise": [type(exc).__name__, str(exc)[:500]], "id": request["id"]}
         try:
             channel.send(reply)
         except (TypeError, ValueError, RecursionError, OverflowError) as exc:
-            channel.send({"raise": [type(exc).__name__, "the result is not plain data"]})
+            channel.send({"raise": [type(exc).__name__, "the result is not plain data"], "id": request["id"]})
 
 
 class RemoteError(Exception):
-    """The solution raised an exception that is not a builtin one, or its process ended."""
+    """The solution raised an exception that is not re-raised as a builtin one (a class of its
+    own, or one that steers control flow, such as StopIteration), sent something that is not
+    plain data, or its process ended."""
 
 
-def _run_test(code: str, channel: _Channel, nonce: str) -> None:
-    """Trusted side: run the test code against proxies of the solution's names."""
+def _builtin_exception(name: object) -> type:
+    """The builtin exception class a solution's exception is re-raised as in the test code.
+
+    Only ordinary errors: StopIteration (and its async twin) would end a test's ``all(map(...))``
+    or ``for`` loop early, and the BaseException-only ones (SystemExit, KeyboardInterrupt,
+    GeneratorExit) would end the test; those, and every other name, become RemoteError.
+    """
+    kind = getattr(builtins, name, None) if type(name) is str else None
+    if (
+        isinstance(kind, type)
+        and issubclass(kind, Exception)
+        and not issubclass(kind, (StopIteration, StopAsyncIteration))
+    ):
+        return kind
+    return RemoteError
+
+
+def _test_names(code: object) -> set:
+    """Every global name the (compiled) test code and its nested functions refer to."""
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if type(k) is type(c))
+    return names
+
+
+def _run_test(code: str, channel: _Channel, nonce: str, verdict_fd: int) -> None:
+    """Trusted side: run the test code against proxies of the solution's names; write the
+    verdict (``PASS <nonce>``) to ``verdict_fd``, which only this process holds."""
     import importlib
 
-    def request(message: dict) -> object:
+    # Each request carries a fresh id the reply must echo: frames the solution wrote ahead of
+    # time (at import, before any request existed) are refused rather than taken as answers.
+    ids = iter(range(int.from_bytes(os.urandom(8), "little"), 1 << 65))
+
+    def exchange(message: dict) -> dict:
+        message["id"] = next(ids)
         channel.send(message)
         reply = channel.receive()
-        if "raise" in reply:
-            name, text = reply["raise"]
-            kind = getattr(builtins, str(name), None)
-            if isinstance(kind, type) and issubclass(kind, Exception):
-                raise kind(text)
-            raise RemoteError("%s: %s" % (name, text))
-        return _decode(reply["value"], Remote)
+        if type(reply) is not dict or reply.get("id") != message["id"] or type(reply["id"]) is not int:
+            raise ValueError("not the reply to this request")
+        return reply
+
+    def request(message: dict) -> object:
+        try:
+            reply = exchange(message)
+            if "stop" in reply and message["op"] == "next":
+                raise StopIteration  # only Remote.__next__ ends an iteration
+            if "raise" in reply:
+                name, text = reply["raise"]
+                error = _builtin_exception(name)
+                text = str(text)[:500] if type(text) is str else ""
+            else:
+                return _decode(reply["value"], Remote)
+        except StopIteration:
+            raise
+        except Exception as exc:  # a malformed reply is the solution's failure, never ours
+            raise RemoteError("the solution sent something that is not plain data") from exc
+        if error is RemoteError:
+            raise RemoteError("%s: %s" % (str(name)[:100], text))
+        raise error(text)
 
     class Remote:
         """An object living in the solution's process: callable, with attributes, iterable.
@@ -291,7 +348,9 @@ def _run_test(code: str, channel: _Channel, nonce: str) -> None:
         solution's code, so an object claiming to equal anything cannot pass a test.
         """
 
-        def __init__(self, ref: int | None = None, name: str | None = None) -> None:
+        def __init__(self, ref: object = None, name: str | None = None) -> None:
+            if name is None and type(ref) is not int:
+                raise ValueError("malformed reference")
             object.__setattr__(self, "_target", {"ref": ref} if name is None else {"name": name})
 
         def __call__(self, *args: object, **kwargs: object) -> object:
@@ -329,25 +388,25 @@ def _run_test(code: str, channel: _Channel, nonce: str) -> None:
             return {"$": value["$"], "v": _swap_refs(value["v"], refs)}
         return value
 
-    hello = channel.receive()
-    if "raise" in hello:
-        raise RemoteError("the solution failed to load: %s: %s" % tuple(hello["raise"]))
+    compiled = compile(code, "<test>", "exec")
+    hello = exchange({"op": "names"})
+    if type(hello.get("names")) is not dict:
+        raise RemoteError("the solution failed to load: %s" % (str(hello.get("raise"))[:500],))
     namespace = {"__name__": "__test__", "__builtins__": builtins}
-    for name, spec in hello["names"].items():
-        if not isinstance(name, str) or not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
-            continue  # a test's builtins (and dunders) are never the solution's
-        namespace[name] = Remote(name=name)
-        if type(spec) is not list or spec[:1] not in (["module"], ["import"]) or spec[1:2] == ["__main__"]:
-            continue  # __main__ on this side is the boot code
-        try:  # what the solution imported, this side imports itself (never the solution's copy)
-            value = importlib.import_module(spec[1])
-            for part in spec[2].split(".") if spec[0] == "import" else ():
-                value = getattr(value, part)
-            namespace[name] = value
+    for name, kind in hello["names"].items():
+        if isinstance(name, str) and name.isidentifier() and not name.startswith("__") and not hasattr(builtins, name):
+            namespace[name] = Remote(name=name)  # a builtin (abs, sorted) is always the real one
+    # A standard-library module the test refers to by its own name (``math.isclose``) is this
+    # side's import of that name, decided by the test's text alone -- never an object the
+    # solution points at, whatever it calls it or claims it is, and never the solution's own
+    # object of that name (which could answer ``math.isclose(...)`` with True).
+    for name in _test_names(compiled) & set(getattr(sys, "stdlib_module_names", ())):
+        try:
+            namespace[name] = importlib.import_module(name)
         except Exception:
             pass
-    exec(compile(code, "<test>", "exec"), namespace)
-    sys.stdout.write("PASS %s\n" % nonce)
+    exec(compiled, namespace)
+    os.write(verdict_fd, ("PASS %s\n" % nonce).encode())
 
 
 def main() -> None:
@@ -363,6 +422,7 @@ def main() -> None:
         (resource.RLIMIT_NOFILE, 64),
         (resource.RLIMIT_NPROC, int(config["max_tasks"])),
         (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_SIGPENDING, 64),  # queued signals and POSIX timers: kernel memory
     ):
         resource.setrlimit(limit, (value, value))
     if hasattr(sys, "set_int_max_str_digits"):
@@ -381,7 +441,9 @@ def main() -> None:
         rfd, wfd = map(int, config["channel"].split(","))
         channel = _Channel(rfd, wfd, file_bytes)
     if mode == "test":
-        _run_test(source, channel, config["nonce"])
+        verdict_fd = int(config["verdict"])
+        os.set_inheritable(verdict_fd, False)
+        _run_test(source, channel, config["nonce"], verdict_fd)
         return
     code = compile(source, "solution.py", "exec")
     if weak_dir:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from builtin_rewards._text import column, completion_text
-from builtin_rewards.sandbox import Isolation, SandboxLimits, check_isolation, run_function_test, run_python
+from builtin_rewards.sandbox import (
+    Isolation,
+    SandboxLimits,
+    check_isolation,
+    host_bounds,
+    run_function_test,
+    run_python,
+)
+
+logger = logging.getLogger(__name__)
+_LOGGED: list[bool] = []  # the host's bounds are said once per process
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -47,7 +58,9 @@ class CodeExecution:
         column: str = Field("tests", description="Dataset column holding each sample's test cases.")
         timeout: float = Field(5.0, gt=0, description="Wall-clock seconds per test before the sandbox is killed.")
         cpu_seconds: int = Field(5, ge=1, description="CPU-time limit per test (RLIMIT_CPU).")
-        memory_mb: int = Field(512, ge=16, description="Address-space limit per test (RLIMIT_AS).")
+        memory_mb: int = Field(
+            512, ge=16, description="Address-space limit per test (RLIMIT_AS); its cgroup's bound adds disk_mb + 64 MiB."
+        )
         max_output_bytes: int = Field(1 << 20, ge=1024, description="Output and file-size limit (RLIMIT_FSIZE).")
         disk_mb: int = Field(64, ge=1, description="Size of the sandbox's writable tmpfs.")
         max_workers: int | None = Field(None, ge=1, description="Tests run in parallel; default: CPU count.")
@@ -61,6 +74,10 @@ class CodeExecution:
     def __init__(self, params: Params | None = None) -> None:
         self.params = p = params or self.Params()
         check_isolation(p.sandbox)
+        if p.sandbox == "bwrap" and not _LOGGED:
+            _LOGGED.append(True)
+            text, bounded = host_bounds()
+            (logger.info if bounded else logger.warning)("code_execution sandbox: %s", text)
         self.limits = SandboxLimits(
             timeout=p.timeout,
             cpu_seconds=p.cpu_seconds,
@@ -94,8 +111,14 @@ class CodeExecution:
         passed = [0] * len(completions)
         # Each job ends within its timeout, so a batch takes at most ceil(len(jobs) / workers) timeouts.
         with ThreadPoolExecutor(max_workers=p.max_workers or os.cpu_count() or 1) as pool:
-            for (i, _, _), ok in zip(jobs, pool.map(lambda job: self._run_test(job[1], job[2]), jobs)):
-                passed[i] += int(ok)
+            futures = []
+            for _, code, case in jobs:
+                try:
+                    futures.append(pool.submit(self._run_test, code, case))
+                except RuntimeError:  # no thread could be started (the host is short of tasks): run it here
+                    futures.append(None)
+            for (i, code, case), future in zip(jobs, futures):
+                passed[i] += int(future.result() if future is not None else self._run_test(code, case))
         out = []
         for n_passed, n_tests in zip(passed, counts):
             if n_tests == 0:

@@ -1,5 +1,5 @@
-"""Test helper: the host processes of code-sandbox runs (shared by the sandbox attack tests and
-the sandboxed python tool's tests)."""
+"""Test helpers shared by the sandbox attack tests and the sandboxed python tool's tests: the host
+processes of code-sandbox runs, and a thread bomb."""
 
 from __future__ import annotations
 
@@ -18,3 +18,23 @@ def sandbox_pids() -> set[int]:
                 if b"Trusted start-up code inside the code sandbox" in Path(f"/proc/{entry}/cmdline").read_bytes():
                     pids.add(int(entry))
     return pids
+
+
+#: Raw clone(CLONE_THREAD) calls with 4 KiB stacks: 20,000 threads fit in 80 MiB of address space.
+CLONE_BOMB = """
+import ctypes, mmap, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.clone.restype = ctypes.c_int
+libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+pause = ctypes.cast(libc.pause, ctypes.c_void_p)
+flags = 0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000  # VM FS FILES SIGHAND THREAD SYSVSEM
+area = mmap.mmap(-1, 4096 * 20000)
+base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+made = 0
+for i in range(20000):
+    if libc.clone(pause, ctypes.c_void_p(base + 4096 * (i + 1) - 64), flags, None) < 0:
+        break
+    made += 1
+print("made", made, flush=True)
+time.sleep(30)
+"""

@@ -8,14 +8,16 @@ Skipped only where bubblewrap is unusable; with ``CI`` set they fail instead.
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_procs import sandbox_pids as _sandbox_pids
+from sandbox_procs import CLONE_BOMB, sandbox_pids as _sandbox_pids
 
 import builtin_environments.tools as tools
 from grpo_plugins.kinds import EnvironmentSettings
@@ -99,4 +101,48 @@ def test_an_escaping_program_is_just_a_tool_message_in_an_episode(tmp_path: Path
     out = env.run([prompt], env.encode_prompts([prompt], None, "error"), {})
     assert out.completions[0][1]["content"].endswith("stopped after 1.5 seconds")
     assert out.completions[0][2]["content"] == "gave up"
+    env.close()
+
+
+def test_a_thread_bomb_is_a_tool_message_and_a_concurrent_call_still_runs() -> None:
+    from builtin_rewards import sandbox
+
+    if sandbox._cgroups() is None and sandbox._run_as() is None and os.geteuid() == 0:
+        pytest.skip("no per-run cgroup here and bwrap runs as root: tasks are not bounded")
+    outs: dict[str, str] = {}
+    bomb = threading.Thread(target=lambda: outs.__setitem__("bomb", tools.python(CLONE_BOMB)))
+    bomb.start()
+    time.sleep(0.3)
+    outs["peer"] = tools.python("print(6 * 7)")
+    bomb.join()
+    assert outs["peer"] == "42"
+    made = int(outs["bomb"].split("made")[1].split()[0])
+    assert made < sandbox.SandboxLimits().max_tasks  # with its main thread, max_tasks; and the call returned
+
+
+def test_a_tool_that_cannot_start_is_an_error_message_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import concurrent.futures as cf
+
+    from transformers import AutoTokenizer
+
+    def no_thread(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    import builtin_rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "run_python", no_thread)
+    assert tools.python("print(1)") == "Error: the program could not be run (RuntimeError: can't start new thread)"
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(build_tiny_tokenizer(tmp_path / "tok")))
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    env = ToolCalling(ToolCalling.Params(tools=[], tools_in="template", tool_timeout=10), functions=[tools.python])
+    generator = scripted_setup(ScriptedGenerator(lambda p: "done" if "<|tool|>" in p else call), tokenizer, 200)
+    env.setup(generator, tokenizer, EnvironmentSettings(200, tokenizer.pad_token_id, [tokenizer.eos_token_id]))
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", no_thread)  # the pool cannot start a worker
+    prompt = [{"role": "user", "content": "Run it."}]
+    out = env.run([prompt], env.encode_prompts([prompt], None, "error"), {})
+    assert out.completions[0][1]["content"] == "Error: tool 'python' could not be started (can't start new thread)"
+    assert out.completions[0][2]["content"] == "done"
     env.close()

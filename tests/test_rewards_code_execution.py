@@ -4,6 +4,7 @@ The hostile programs are in test_sandbox_attacks.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from pathlib import Path
@@ -149,8 +150,10 @@ def test_bubblewrap_is_detected_once(monkeypatch):
     calls = []
     real = sandbox._Sandboxed
     monkeypatch.setattr(sandbox, "_Sandboxed", lambda *a, **k: calls.append(a) or real(*a, **k))
-    first, second = sandbox.bwrap_problem(), sandbox.bwrap_problem()
-    assert first == second and len(calls) == (0 if sandbox._bwrap_path() is None else 1)
+    first = sandbox.bwrap_problem()
+    probes = len(calls)  # as root: first as the unprivileged sandbox uid, then as root if that fails
+    assert first == sandbox.bwrap_problem() and len(calls) == probes
+    assert probes == 0 if sandbox._bwrap_path() is None else 1 <= probes <= (2 if os.geteuid() == 0 else 1)
 
 
 def test_threads_work_but_processes_cannot_be_started(bwrap):
@@ -159,3 +162,57 @@ def test_threads_work_but_processes_cannot_be_started(bwrap):
         "try:\n    os.fork()\nexcept OSError as exc:\n    out.append(type(exc).__name__)\nprint(*out)"
     )
     assert run_python(code, limits=FAST).stdout == "thread PermissionError\n"
+
+
+def test_cgroup_v2_runs_are_made_beside_the_trainers_cgroup(tmp_path: Path, monkeypatch):
+    # A stand-in cgroup v2 tree (plain files): the trainer is in /svc/trainer, whose parent /svc
+    # delegates pids and memory; runs go in a sibling, with pids.max and memory.max written.
+    (tmp_path / "svc" / "trainer").mkdir(parents=True)
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu pids memory\n")
+    monkeypatch.setattr(sandbox, "_cgroup_mounts", lambda: (("/", str(tmp_path)), {}))
+    monkeypatch.setattr(sandbox, "_own_cgroups", lambda: {"unified": "/svc/trainer"})
+    found = sandbox._find_cgroups()
+    atexit.unregister(found._remove_all)  # its trial run's files are plain files here: never removable
+    parent = tmp_path / "svc" / f"grpo-sandbox-{os.getpid()}"
+    assert found.version == 2 and found.parents == {"pids": str(parent), "memory": str(parent)}
+    assert (parent / "cgroup.subtree_control").read_text() == "+pids +memory"
+    limits = SandboxLimits(memory_mb=100, disk_mb=10, max_tasks=30)
+    run = found.make(limits)
+    assert [(Path(d) / "pids.max").read_text() for d in run.dirs] == ["32"]
+    assert [(Path(d) / "memory.max").read_text() for d in run.dirs] == [str((100 + 10 + 64) << 20)]
+    dirs = list(run.dirs)
+    for d in dirs:  # a real cgroup directory holds only kernel files, which rmdir ignores
+        for f in Path(d).iterdir():
+            f.unlink()
+    found.release(run)
+    assert dirs and not any(os.path.exists(d) for d in dirs)
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu\n")  # not delegated: no cgroups
+    with pytest.raises(OSError, match="does not delegate"):
+        sandbox._find_cgroups()
+
+
+def test_tests_still_run_when_no_worker_thread_can_start(monkeypatch, bwrap):
+    import concurrent.futures as cf
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(cf.ThreadPoolExecutor, "submit", no_thread)
+    tests = [[{"input": "2 3", "output": "5"}, "assert add(2, 3) == 5"]] * 2
+    right = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    completions = [right, "def add(a, b):\n    return 0"]
+    assert reward()(["q", "q"], completions, tests=tests) == [1.0, 0.0]
+
+
+def test_the_reward_says_which_bound_applies(monkeypatch, bwrap):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox, "_RUN_AS", [None])
+    monkeypatch.setattr(sandbox, "_CGROUPS", [None])
+    text, bounded = sandbox.host_bounds()
+    assert not bounded and "bounded only by its address space" in text
+    monkeypatch.setattr(sandbox, "_RUN_AS", [65534])
+    text, bounded = sandbox.host_bounds()
+    assert not bounded and text.startswith("no per-run cgroup: tasks bounded by RLIMIT_NPROC") and "uid 65534" in text
+    monkeypatch.setattr(sandbox, "_CGROUPS", [sandbox._Cgroups.__new__(sandbox._Cgroups)])
+    sandbox._CGROUPS[0].version = 2
+    assert sandbox.host_bounds() == ("a pids and memory cgroup (v2) per run; bwrap runs as host uid 65534", True)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_procs import sandbox_pids as _sandbox_pids
+from sandbox_procs import CLONE_BOMB, sandbox_pids as _sandbox_pids
 
 from builtin_rewards.code_execution import CodeExecution
 from builtin_rewards.sandbox import SandboxLimits, _layout, run_function_test, run_python
@@ -623,3 +623,237 @@ def test_hostile_completions_score_zero_and_leave_nothing_behind(isolation: str)
     scores = reward(["q"] * len(completions), completions, tests=tests)
     assert scores == [0.0] * len(completions)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "grpo-sandbox-*"))) == leftovers
+
+
+# -- forging the verdict, further ---------------------------------------------------------------
+
+
+def test_objects_the_solution_names_are_never_bound_on_the_trusted_side() -> None:
+    # The solution's `add` claims to be operator.add (right answers, computed by trusted code),
+    # and ANSWER claims to be unittest.mock.ANY (equal to everything): each is only a proxy.
+    alias = (
+        "import types\ndef add(a, b):\n    return 0\nadd.__module__ = 'operator'\nadd.__qualname__ = 'add'\n"
+        "ANSWER = types.SimpleNamespace(__module__='unittest.mock', __qualname__='ANY', __name__='ANY')\n"
+        "import unittest.mock as math\n"  # a module under a standard module's name: the test's math is its own
+    )
+    assert run_function_test(alias, "assert add(2, 3) == 5", FAST) is False
+    assert run_function_test(alias, "assert ANSWER == 49 and ANSWER == 50", FAST) is False
+    assert run_function_test(alias, "assert math.floor(2.5) == 2", FAST)  # the real math, not the alias
+    own_math = "class math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef area(r):\n    return 0"
+    assert run_function_test(own_math, "assert math.isclose(area(2), 12.566, rel_tol=1e-3)", FAST) is False
+    assert run_function_test("def add(a, b):\n    return a + b", "assert add(2, 3) == 5", FAST)
+
+
+def test_frames_written_ahead_by_the_solution_are_not_taken_as_replies() -> None:
+    # a well-formed greeting and answers, queued before any request was made
+    frames = '{"names": {"square": "object"}, "id": 0}\\n' + '{"value": 49, "id": 1}\\n' * 8
+    solution = (
+        f"import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{frames}')\n"
+        "    except OSError:\n        pass\ndef square(x):\n    return 0"
+    )
+    assert run_function_test(solution, "assert square(3) == 49\nassert abs(square(-3)) == 49", FAST) is False
+
+
+def test_control_flow_exceptions_from_the_solution_are_data() -> None:
+    check = "def check(candidate):\n    assert all(map(lambda x: candidate(x) == x * x, [2, 3]))\ncheck(square)"
+    for raised in ("StopIteration", "StopAsyncIteration", "GeneratorExit", "SystemExit(0)", "KeyboardInterrupt"):
+        assert run_function_test(f"def square(x):\n    raise {raised}", check, FAST) is False, raised
+    assert run_function_test("def square(x):\n    return x * x", check, FAST)
+    # a solution's generator still ends its own iteration
+    squares = "def squares(n):\n    yield from (i * i for i in range(n))"
+    assert run_function_test(squares, "assert list(squares(3)) == [0, 1, 4]", FAST)
+
+
+def test_each_kind_of_forgery_scores_zero_beside_a_correct_solution() -> None:
+    forgeries = [
+        "def add(a, b):\n    return 0\nadd.__module__ = 'operator'\nadd.__qualname__ = 'add'",  # a trusted stand-in
+        "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"names\": {\"add\": \"object\"}, \"id\": 0}\\n'"
+        " + b'{\"value\": 5, \"id\": 1}\\n{\"value\": 2, \"id\": 2}\\n')\n    except OSError:\n        pass\ndef add(a, b):\n    return 0",
+        "def add(a, b):\n    raise StopIteration",
+    ]
+    check = "def check(candidate):\n    assert all(map(lambda ab: candidate(*ab) == sum(ab), [(2, 3), (1, 1)]))\ncheck(add)"
+    completions = [*forgeries, "def add(a, b):\n    return a + b"]
+    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3, max_workers=2))
+    assert reward(["q"] * len(completions), completions, tests=[[check]] * len(completions)) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_the_exit_status_cannot_be_forged() -> None:
+    # Descriptors of the sandbox's init (bwrap reports the program's exit through one) taken with
+    # pidfd_getfd and written to, then exit 3: the status must stay 3.
+    code = """
+import ctypes, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+taken = 0
+pidfd = libc.syscall(434, 1, 0)  # pidfd_open(1)
+for fd in range(64):
+    stolen = libc.syscall(438, pidfd, fd, 0) if pidfd >= 0 else -1  # pidfd_getfd
+    if stolen >= 0:
+        taken += 1
+        try:
+            os.write(stolen, struct.pack("Q", 1))
+        except OSError:
+            pass
+print("taken", taken, flush=True)
+os._exit(3)
+"""
+    result = run_python(code, limits=FAST)
+    assert "taken" in result.stdout
+    assert result.returncode == 3 and not result.ok
+
+
+# -- exhausting the host ------------------------------------------------------------------------
+
+INODE_FLOOD = """
+import os, threading, time
+end = time.monotonic() + 3.0
+def fill(t):
+    n = 0
+    try:
+        while time.monotonic() < end:
+            os.mkdir(f"{t}-{n}" + "x" * 200)  # an inode and a dentry with a long name each
+            n += 1
+    except OSError:
+        pass
+threads = [threading.Thread(target=fill, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+@pytest.fixture()
+def host_bounds() -> None:
+    """The kernel-side bounds of a run need a cgroup per run (or, for tasks, an unprivileged
+    host uid): skipped where neither is available, but failed under CI."""
+    from builtin_rewards import sandbox
+
+    if sandbox._cgroups() is None and sandbox._run_as() is None and IS_ROOT:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the host-bound tests, but no cgroup can be made and bwrap runs as root")
+        pytest.skip("no per-run cgroup here and bwrap runs as root: tasks and tmpfs files are not bounded")
+
+
+def _meminfo_kib(*fields: str) -> int:
+    values = {line.split(":")[0]: int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()}
+    return sum(values[f] for f in fields)
+
+
+@pytest.mark.usefixtures("host_bounds")
+def test_a_thread_bomb_is_bounded_and_a_peer_still_scores() -> None:
+    reward = CodeExecution(CodeExecution.Params(timeout=3.0, cpu_seconds=3, memory_mb=256, max_workers=2))
+    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.3)"  # runs beside a bomb
+    before = _sandbox_pids()
+    with sampling(lambda: _status_total(_sandbox_pids() - before, "Threads")) as tasks:
+        scores = reward(["q"] * 3, [CLONE_BOMB, correct, CLONE_BOMB], tests=[[{"input": "2 3", "output": "5"}]] * 3)
+    assert scores == [0.0, 1.0, 0.0]
+    # each run bounded (two at a time, and a finished run's threads may take a moment to go):
+    # unbounded, one such run makes 20,000 tasks
+    assert max(tasks) <= 3 * (SandboxLimits().max_tasks + 4)
+    from builtin_rewards import sandbox
+
+    if sandbox._run_as() is not None or not IS_ROOT:  # RLIMIT_NPROC binds too: check it without the cgroup
+        with sandbox._Sandboxed("main", CLONE_BOMB, "", FAST, "bwrap", cgroup=False) as bomb:
+            result = bomb.wait(bomb.start + FAST.timeout)
+        assert int(result.stdout.split("made")[1].split()[0]) < FAST.max_tasks
+
+
+@pytest.mark.usefixtures("host_bounds")
+def test_kernel_memory_of_tmpfs_files_is_bounded() -> None:
+    from builtin_rewards import sandbox
+
+    if sandbox._cgroups() is None:
+        pytest.skip("the number of tmpfs files is bounded only by a per-run memory cgroup")
+    reward = CodeExecution(CodeExecution.Params(timeout=4.0, cpu_seconds=4, memory_mb=64, disk_mb=1, max_workers=2))
+    correct = "import time\nprint(sum(map(int, input().split())))\ntime.sleep(0.3)"  # runs beside the flood
+    base = _meminfo_kib("Slab", "Shmem")
+    with sampling(lambda: _meminfo_kib("Slab", "Shmem") - base) as grown:
+        scores = reward(["q"] * 2, [INODE_FLOOD, correct], tests=[[{"input": "2 3", "output": "5"}]] * 2)
+    assert scores == [0.0, 1.0]
+    # unbounded, two threads make ~200 MiB of inodes and dentries in 3 s on a slow 2-core machine
+    assert max(grown) <= (sandbox.cgroup_bytes(reward.limits) >> 10) + 32 * 1024
+
+
+def test_sockets_of_every_family_are_refused() -> None:
+    code = """
+import socket
+families = {"inet": socket.AF_INET, "inet6": socket.AF_INET6, "unix": socket.AF_UNIX, "vsock": 40,
+            "netlink": socket.AF_NETLINK, "packet": 17}
+for name, family in families.items():
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        try:
+            socket.socket(family, kind)
+            print("opened", name, kind)
+        except OSError as exc:
+            print("refused", name, exc.errno)
+try:
+    socket.socketpair()
+    print("opened pair")
+except OSError as exc:
+    print("refused pair", exc.errno)
+"""
+    out = run(code)
+    assert "refused pair" in out and "opened" not in out
+
+
+def _concurrently(*codes: str) -> list[str]:
+    outs = [""] * len(codes)
+
+    def one(i: int) -> None:
+        outs[i] = run(codes[i], timeout=3.0, cpu_seconds=3)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(codes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
+
+
+def test_concurrent_runs_cannot_signal_each_other() -> None:
+    # Each channel a receiver and a sender in two sandboxes at once: vsock loopback, inotify and
+    # dnotify on a file both see (bound read-only), and record locks and flock on it.
+    shared = os.__file__
+    receiver = f"""
+import ctypes, fcntl, os, socket, time
+heard = []
+try:
+    s = socket.socket(40, socket.SOCK_DGRAM)  # AF_VSOCK
+    s.bind((1, 4242))  # VMADDR_CID_LOCAL
+    s.settimeout(2)
+    heard.append(("vsock", s.recv(100)))
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+if fd >= 0 and libc.inotify_add_watch(fd, {shared!r}.encode(), 0xFFF) >= 0:
+    time.sleep(1.5)
+    try:
+        heard.append(("inotify", os.read(fd, 4096)))
+    except OSError:
+        pass
+f = open({shared!r}, "rb")
+for attempt in (lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB),
+                lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB),
+                lambda: fcntl.fcntl(os.open(os.path.dirname({shared!r}), os.O_RDONLY), 1026, 0x80000001)):
+    try:
+        attempt()
+        heard.append(("lock", "taken"))
+    except OSError:
+        pass
+print("heard", heard)
+"""
+    sender = f"""
+import socket, time
+for _ in range(20):
+    try:
+        socket.socket(40, socket.SOCK_DGRAM).sendto(b"grpo-vsock", (1, 4242))
+    except OSError:
+        pass
+    open({shared!r}, "rb").read(1)
+    time.sleep(0.1)
+print("sent")
+"""
+    heard, sent = _concurrently(receiver, sender)
+    assert "sent" in sent
+    assert "heard []" in heard

@@ -6,8 +6,8 @@ Each cell trains a random-init Qwen2-0.5B-shape model, saved to a local folder w
 tokenizer (``BENCH_TOKENIZER``, default ``.benchdata/tokenizer``), on the built-in arithmetic
 task with the config's defaults; only the model, ``dtype``, ``lora``, ``generator``, the learning
 rate (``--lr``, ``--lora-lr``: large enough that weights the sampler failed to receive would show)
-and ``max_steps`` are set. Each cell runs in its own process (``--jobs`` at a time, sharing the
-GPU). A cell passes when it finishes its steps with finite losses and, where the loss receives
+and ``max_steps`` are set. Each cell runs in its own process: the ``vllm`` cells one at a time,
+then the others ``--jobs`` at a time, sharing the GPU. A cell passes when it finishes its steps with finite losses and, where the loss receives
 the sampler's log-probs (the ``vllm`` generator), the sampler and the trainer agree at every
 step: the mean |sampler - trainer| log-prob per token stays under ``--max-gap`` and the
 importance-sampling ratio's mean within 1 +- ``--max-ratio-off``. For ``vllm``, every step must
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate of full fine-tuning")
     parser.add_argument("--lora-lr", type=float, default=1e-4, help="learning rate of LoRA")
     parser.add_argument("--jobs", type=int, default=4, help="cells running at once")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.12, help="each vllm engine's share")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the vllm engine's share")
     parser.add_argument("--max-gap", type=float, default=0.05, help="largest mean |sampler - trainer| log-prob")
     parser.add_argument("--max-ratio-off", type=float, default=0.05, help="largest |mean IS ratio - 1|")
     parser.add_argument(
@@ -168,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     save_model(args.out / "model")
     cells = list(itertools.product(args.generators, args.modes, args.dtypes))
-    # vllm cells first: they are the slowest, and the others fill the GPU's gaps beside them.
-    cells.sort(key=lambda c: c[0] != "vllm")
+    # vllm cells one at a time and alone: a vLLM engine sizes its cache from the device's free
+    # memory while it starts, which other processes' allocations make wrong ("no available
+    # memory for the cache blocks"). The other cells then share the GPU, --jobs at a time.
+    alone = [c for c in cells if c[0] == "vllm"]
+    shared = [c for c in cells if c[0] != "vllm"]
 
     def launch(cell: tuple[str, str, str]) -> tuple[str, float]:
         name = "/".join(cell)
@@ -181,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
         return name, time.perf_counter() - start
 
+    seconds = dict(map(launch, alone))
     with ThreadPoolExecutor(args.jobs) as pool:
-        seconds = dict(pool.map(launch, cells))
+        seconds.update(pool.map(launch, shared))
     records: dict[str, dict[str, Any]] = {}
     for cell in cells:
         name = "/".join(cell)

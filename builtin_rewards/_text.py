@@ -20,6 +20,7 @@ _ANSWER_LINE = re.compile(
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def completion_text(completion: Any) -> str:
@@ -47,6 +48,12 @@ def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, Sequence):
         return "\n".join(completion_text(m) for m in prompt)
     return str(prompt)
+
+
+def without_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate (``"\\ud800"``, which no tokenizer or UTF-8 encoder
+    takes) replaced by U+FFFD."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
 
 
 _BRACE = re.compile(r"[{}]")

@@ -80,63 +80,114 @@ class CorrectAnswer:
         return out
 
 
-def _quiet_math_verify() -> None:
-    """Drop math-verify's per-call warning that its timeout is off (it is, off the main thread)."""
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
-            logger.addFilter(_NoTimeoutWarning())
-
-
-class _NoTimeoutWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
 _MATHY = re.compile(r"[\d\\^_{}=+*/-]")
+
+
+class _Shortened(logging.Filter):
+    """Cuts math-verify's warnings, which quote the whole text ("Timeout during parsing: ...")."""
+
+    LIMIT = 200
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > self.LIMIT:
+            record.msg, record.args = f"{message[: self.LIMIT]}... ({len(message)} characters)", ()
+        return True
+
+
+def _shorten_math_verify_logs() -> None:
+    logger = logging.getLogger("math_verify.parser")
+    if not any(isinstance(f, _Shortened) for f in logger.filters):
+        logger.addFilter(_Shortened())
+
+
+def verify_answers(refs: list[str], texts: list[str], float_rounding: int, timeout: int | None) -> list[float | None]:
+    """math-verify's verdict on each (reference, completion text): 1.0, 0.0, or None when the
+    reference does not parse. ``timeout`` bounds each parse and comparison, by a signal: it
+    works only in a process's main thread (None: unbounded)."""
+    from math_verify import parse as mv_parse, verify
+
+    _shorten_math_verify_logs()
+
+    def parse(text: str) -> Any:
+        return mv_parse(text, parsing_timeout=timeout)  # type: ignore[arg-type]
+
+    out: list[float | None] = []
+    for ref_text, text in zip(refs, texts):
+        gold = parse(ref_text)
+        if not gold and "$" not in ref_text and _MATHY.search(ref_text):
+            gold = parse(f"${ref_text}$")  # bare LaTeX such as \sqrt{2} or x^2+1
+        if not gold:
+            out.append(None)
+            continue
+        tagged = extract_answer(text)
+        pred = parse(f"${tagged}$" if tagged is not None and "$" not in tagged else text)
+        if not pred and tagged is not None:
+            pred = parse(text)
+        ok = bool(pred) and verify(gold, pred, float_rounding=float_rounding, timeout_seconds=timeout)
+        out.append(float(ok))
+    return out
 
 
 class MathVerify:
     """1.0 when the completion's answer is mathematically equivalent to the reference (the
     ``math-verify`` package: LaTeX and plain expressions, ``\\boxed{}``), else 0.0. A reference
-    that math-verify cannot parse scores None (not applicable)."""
+    that math-verify cannot parse scores None (not applicable).
+
+    math-verify hands answers to sympy, where a short answer such as ``9^{9^{9^{9}}}`` can take
+    unbounded time; its time limits use signals, which only a process's main thread receives.
+    Called from another thread (the reward runner's), the answers are checked in a worker
+    process of this reward's own, whose main thread applies ``timeout``; a worker stuck past
+    that in C code is killed and each answer of the batch rechecked alone (the stuck one scores
+    0.0).
+    """
 
     class Params(_Params):
         column: str = Field("answer", description="Dataset column holding the reference answer.")
         float_rounding: int = Field(6, ge=0, description="Decimal places compared for floats.")
+        timeout: int = Field(5, ge=1, description="Seconds math-verify may spend parsing or comparing one answer.")
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
+        self._worker: Any = None  # a ProcessWorker, started on the first call off the main thread
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
-        from math_verify import parse as mv_parse, verify
-
-        # math-verify's timeouts use signals, which work only in a main thread (e.g. with
-        # executor: process); in the runner's threads they are off.
-        timeout = 5 if threading.current_thread() is threading.main_thread() else None
-        if timeout is None:
-            _quiet_math_verify()
-
-        def parse(text: str) -> Any:
-            return mv_parse(text, parsing_timeout=timeout)
-
         p = self.params
-        refs = column(kwargs, p.column, "math_verify", len(completions))
+        refs = [str(ref) for ref in column(kwargs, p.column, "math_verify", len(completions))]
+        texts = [completion_text(c) for c in completions]
+        if threading.current_thread() is threading.main_thread():
+            return verify_answers(refs, texts, p.float_rounding, p.timeout)
+        return self._in_worker(refs, texts)
+
+    def _in_worker(self, refs: list[str], texts: list[str]) -> list[float | None]:
+        from grpo_plugins.rewards.worker import CallFailed, ProcessWorker
+
+        if self._worker is None:
+            self._worker = ProcessWorker(verify_answers)
+        # Each answer: at most four parses and one comparison, each within the timeout.
+        budget = 5 * self.params.timeout + 1
+
+        def call(r: list[str], t: list[str]) -> list[float | None]:
+            kwargs = {"refs": r, "texts": t, "float_rounding": self.params.float_rounding, "timeout": self.params.timeout}
+            return self._worker.call(kwargs, budget * len(t))
+
+        try:
+            return call(refs, texts)
+        except CallFailed as exc:
+            if not exc.timed_out:
+                raise
         out: list[float | None] = []
-        for completion, ref in zip(completions, refs):
-            ref_text = str(ref)
-            # Signal-based timeouts only work in the main thread; rewards run in worker threads.
-            gold = parse(ref_text)
-            if not gold and "$" not in ref_text and _MATHY.search(ref_text):
-                gold = parse(f"${ref_text}$")  # bare LaTeX such as \sqrt{2} or x^2+1
-            if not gold:
-                out.append(None)
-                continue
-            text = completion_text(completion)
-            tagged = extract_answer(text)
-            pred = parse(f"${tagged}$" if tagged is not None and "$" not in tagged else text)
-            if not pred and tagged is not None:
-                pred = parse(text)
-            ok = bool(pred) and verify(gold, pred, float_rounding=p.float_rounding, timeout_seconds=timeout)
-            out.append(float(ok))
+        for ref, text in zip(refs, texts):
+            try:
+                out.extend(call([ref], [text]))
+            except CallFailed as exc:
+                if not exc.timed_out:
+                    raise
+                out.append(0.0)
         return out
+
+    def close(self) -> None:
+        """Stop the worker process (the reward runner calls this at the end of a run)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 import threading
 from typing import Any, Literal
 
@@ -80,55 +78,6 @@ class CorrectAnswer:
         return out
 
 
-_MATHY = re.compile(r"[\d\\^_{}=+*/-]")
-
-
-class _Shortened(logging.Filter):
-    """Cuts math-verify's warnings, which quote the whole text ("Timeout during parsing: ...")."""
-
-    LIMIT = 200
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if len(message) > self.LIMIT:
-            record.msg, record.args = f"{message[: self.LIMIT]}... ({len(message)} characters)", ()
-        return True
-
-
-def _shorten_math_verify_logs() -> None:
-    logger = logging.getLogger("math_verify.parser")
-    if not any(isinstance(f, _Shortened) for f in logger.filters):
-        logger.addFilter(_Shortened())
-
-
-def verify_answers(refs: list[str], texts: list[str], float_rounding: int, timeout: int | None) -> list[float | None]:
-    """math-verify's verdict on each (reference, completion text): 1.0, 0.0, or None when the
-    reference does not parse. ``timeout`` bounds each parse and comparison, by a signal: it
-    works only in a process's main thread (None: unbounded)."""
-    from math_verify import parse as mv_parse, verify
-
-    _shorten_math_verify_logs()
-
-    def parse(text: str) -> Any:
-        return mv_parse(text, parsing_timeout=timeout)  # type: ignore[arg-type]
-
-    out: list[float | None] = []
-    for ref_text, text in zip(refs, texts):
-        gold = parse(ref_text)
-        if not gold and "$" not in ref_text and _MATHY.search(ref_text):
-            gold = parse(f"${ref_text}$")  # bare LaTeX such as \sqrt{2} or x^2+1
-        if not gold:
-            out.append(None)
-            continue
-        tagged = extract_answer(text)
-        pred = parse(f"${tagged}$" if tagged is not None and "$" not in tagged else text)
-        if not pred and tagged is not None:
-            pred = parse(text)
-        ok = bool(pred) and verify(gold, pred, float_rounding=float_rounding, timeout_seconds=timeout)
-        out.append(float(ok))
-    return out
-
-
 class MathVerify:
     """1.0 when the completion's answer is mathematically equivalent to the reference (the
     ``math-verify`` package: LaTeX and plain expressions, ``\\boxed{}``), else 0.0. A reference
@@ -156,13 +105,17 @@ class MathVerify:
         refs = [str(ref) for ref in column(kwargs, p.column, "math_verify", len(completions))]
         texts = [completion_text(c) for c in completions]
         if threading.current_thread() is threading.main_thread():
+            from builtin_rewards._math_verify import verify_answers
+
             return verify_answers(refs, texts, p.float_rounding, p.timeout)
         return self._in_worker(refs, texts)
 
     def _in_worker(self, refs: list[str], texts: list[str]) -> list[float | None]:
+        from builtin_rewards._math_verify import verify_answers
         from grpo_plugins.rewards.worker import CallFailed, ProcessWorker
 
         if self._worker is None:
+            # The worker imports math-verify (seconds) while it starts, which is not timed.
             self._worker = ProcessWorker(verify_answers)
         # Each answer: at most four parses and one comparison, each within the timeout.
         budget = 5 * self.params.timeout + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Mapping, Sequence
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation
 from typing import Any
 
 # Every pattern here runs in time linear in the text: no two adjacent quantifiers can share
@@ -101,14 +102,29 @@ def extract_answer(text: str, *, last_number: bool = False) -> str | None:
     return None
 
 
-def parse_number(text: str) -> float | None:
-    """A number written plainly (``42``, ``-3.5``, ``1,000``, ``$12.``), else None."""
+def parse_number(text: str) -> Decimal | None:
+    """A number written plainly (``42``, ``-3.5``, ``1,000``, ``$12.``, ``1e5``, ``inf``), exactly
+    as written (a ``Decimal``: no rounding, any number of digits), else None (NaN included)."""
     cleaned = text.strip().strip("*").strip().rstrip(".").strip()
     cleaned = cleaned.lstrip("$").replace(",", "").replace(" ", "")
     try:
-        return float(cleaned)
-    except ValueError:
+        number = Decimal(cleaned)
+    except InvalidOperation:
         return None
+    return None if number.is_nan() else number
+
+
+#: Arithmetic on numbers as written: 50 significant digits, any exponent, no exceptions.
+_WIDE = Context(prec=50, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[])
+
+
+def numbers_close(a: Decimal, b: Decimal, tolerance: float) -> bool:
+    """``|a - b| <= tolerance``, computed without float rounding: two integers that differ by
+    one are apart at any size (as floats, 9007199254740993 equals 9007199254740992)."""
+    if a.is_infinite() or b.is_infinite():
+        return a == b
+    difference = _WIDE.abs(_WIDE.subtract(a, b))
+    return _WIDE.compare(difference, _WIDE.create_decimal_from_float(tolerance)) <= 0
 
 
 def normalize(text: str, mode: str) -> str:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builtin_rewards._text import column, completion_text, extract_answer, normalize, parse_number
+from builtin_rewards._text import column, completion_text, extract_answer, normalize, numbers_close, parse_number
 
 
 class _Params(BaseModel):
@@ -71,7 +70,7 @@ class CorrectAnswer:
                 continue
             expected, got = parse_number(str(ref)), parse_number(answer)
             if expected is not None:
-                ok = got is not None and math.isclose(got, expected, rel_tol=0.0, abs_tol=p.tolerance)
+                ok = got is not None and numbers_close(got, expected, p.tolerance)
             else:
                 ok = normalize(answer, "lower") == normalize(str(ref), "lower")
             out.append(float(ok))

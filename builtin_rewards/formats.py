@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from builtin_rewards._text import completion_text
 
 #: ``<think>...</think>`` then ``<answer>...</answer>``. The lookahead with a back-reference
-#: takes the first ``</think> <answer>`` and never retries a later one (a later one cannot match
-#: where the first did not), which keeps a long text with many of them linear, not quadratic.
+#: takes the first ``</think> <answer>`` and never retries a later one, which keeps a text with
+#: many of them linear, not quadratic; with ``dotall`` (the default) a later one cannot match
+#: where the first did not, so the pattern matches what the plain ``.*?`` version does.
 THINK_ANSWER = r"^\s*<think>(?=(.*?</think>\s*<answer>))\1.*?</answer>\s*$"
 
 

@@ -26,7 +26,51 @@ from grpo_plugins.errors import GRPOPluginsError
 if TYPE_CHECKING:  # imported when used: `grpo-plugins validate` must start fast
     import concurrent.futures as cf
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+#: A tool call's body (surrounding whitespace is stripped after the match: "\s*" on both sides
+#: of a lazy group would make a long run of spaces inside a call quadratic).
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+#: How deeply a tool call's JSON may nest.
+MAX_NESTING = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _parse_call(body: str) -> tuple[str, Any]:
+    """(name, arguments) of one tool call's body, or ("", the error message for the model)."""
+    try:
+        call = json.loads(body)
+        name, arguments = call["name"], call.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise ValueError("'name' must be a string and 'arguments' an object")
+    except (ValueError, KeyError, TypeError) as exc:
+        return "", f"Error: the tool call is not valid JSON with 'name' and 'arguments' ({exc})"
+    except RecursionError:  # the json module's own limit, far deeper than MAX_NESTING
+        return "", f"Error: the tool call is nested more than {MAX_NESTING} levels deep"
+    problem = _unrenderable(call)
+    if problem is not None:
+        return "", f"Error: the tool call {problem}"
+    return name, arguments
+
+
+def _unrenderable(value: Any) -> str | None:
+    """Why a parsed tool call cannot go into the conversation, or None: nested more than
+    :data:`MAX_NESTING` levels (the chat template renders it recursively), or a string with a
+    lone surrogate (a ``\\ud800`` escape), which no tokenizer encodes."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return "has a lone surrogate escape (such as \\ud800) in a string"
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_NESTING:
+                return f"is nested more than {MAX_NESTING} levels deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return None
+
 
 TOOLS_PROMPT = (
     "You can call these tools:\n{tools}\n"
@@ -174,20 +218,8 @@ class ToolCalling(TurnBasedEnvironment):
 
     def parse(self, turn: str) -> list[tuple[str, Any]]:
         """The (name, arguments) of each tool call in ``turn``; unparsable calls give
-        ("", error message)."""
-        calls: list[tuple[str, Any]] = []
-        for body in TOOL_CALL.findall(turn):
-            try:
-                call = json.loads(body)
-                name, arguments = call["name"], call.get("arguments", {})
-                if isinstance(arguments, str):
-                    arguments = json.loads(arguments)
-                if not isinstance(name, str) or not isinstance(arguments, dict):
-                    raise ValueError("'name' must be a string and 'arguments' an object")
-                calls.append((name, arguments))
-            except (ValueError, KeyError, TypeError) as exc:
-                calls.append(("", f"Error: the tool call is not valid JSON with 'name' and 'arguments' ({exc})"))
-        return calls
+        ("", error message). Never raises, whatever the model wrote."""
+        return [_parse_call(body.strip()) for body in TOOL_CALL.findall(turn)]
 
     def respond_batch(self, episodes: list[Episode], turns: list[str]) -> list[list[dict[str, Any]] | None]:
         assert self._pool is not None, "setup() was not called"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import math
-import re
 import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builtin_rewards._text import column, completion_text, extract_answer, normalize, parse_number
+from builtin_rewards._text import column, completion_text, extract_answer, normalize, numbers_close, parse_number
 
 
 class _Params(BaseModel):
@@ -73,70 +70,76 @@ class CorrectAnswer:
                 continue
             expected, got = parse_number(str(ref)), parse_number(answer)
             if expected is not None:
-                ok = got is not None and math.isclose(got, expected, rel_tol=0.0, abs_tol=p.tolerance)
+                ok = got is not None and numbers_close(got, expected, p.tolerance)
             else:
                 ok = normalize(answer, "lower") == normalize(str(ref), "lower")
             out.append(float(ok))
         return out
 
 
-def _quiet_math_verify() -> None:
-    """Drop math-verify's per-call warning that its timeout is off (it is, off the main thread)."""
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
-            logger.addFilter(_NoTimeoutWarning())
-
-
-class _NoTimeoutWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-_MATHY = re.compile(r"[\d\\^_{}=+*/-]")
-
-
 class MathVerify:
     """1.0 when the completion's answer is mathematically equivalent to the reference (the
     ``math-verify`` package: LaTeX and plain expressions, ``\\boxed{}``), else 0.0. A reference
-    that math-verify cannot parse scores None (not applicable)."""
+    that math-verify cannot parse scores None (not applicable).
+
+    math-verify hands answers to sympy, where a short answer such as ``9^{9^{9^{9}}}`` can take
+    unbounded time; its time limits use signals, which only a process's main thread receives.
+    Called from another thread (the reward runner's), the answers are checked in a worker
+    process of this reward's own, whose main thread applies ``timeout``; a worker stuck past
+    that in C code is killed and each answer of the batch rechecked alone (the stuck one scores
+    0.0).
+    """
 
     class Params(_Params):
         column: str = Field("answer", description="Dataset column holding the reference answer.")
         float_rounding: int = Field(6, ge=0, description="Decimal places compared for floats.")
+        timeout: int = Field(5, ge=1, description="Seconds math-verify may spend parsing or comparing one answer.")
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
+        self._worker: Any = None  # a ProcessWorker, started on the first call off the main thread
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
-        from math_verify import parse as mv_parse, verify
-
-        # math-verify's timeouts use signals, which work only in a main thread (e.g. with
-        # executor: process); in the runner's threads they are off.
-        timeout = 5 if threading.current_thread() is threading.main_thread() else None
-        if timeout is None:
-            _quiet_math_verify()
-
-        def parse(text: str) -> Any:
-            return mv_parse(text, parsing_timeout=timeout)
-
         p = self.params
-        refs = column(kwargs, p.column, "math_verify", len(completions))
+        refs = [str(ref) for ref in column(kwargs, p.column, "math_verify", len(completions))]
+        texts = [completion_text(c) for c in completions]
+        if threading.current_thread() is threading.main_thread():
+            from builtin_rewards._math_verify import verify_answers
+
+            return verify_answers(refs, texts, p.float_rounding, p.timeout)
+        return self._in_worker(refs, texts)
+
+    def _in_worker(self, refs: list[str], texts: list[str]) -> list[float | None]:
+        from builtin_rewards._math_verify import verify_answers
+        from grpo_plugins.rewards.worker import CallFailed, ProcessWorker
+
+        if self._worker is None:
+            # The worker imports math-verify (seconds) while it starts, which is not timed.
+            self._worker = ProcessWorker(verify_answers)
+        # Each answer: at most four parses and one comparison, each within the timeout.
+        budget = 5 * self.params.timeout + 1
+
+        def call(r: list[str], t: list[str]) -> list[float | None]:
+            kwargs = {"refs": r, "texts": t, "float_rounding": self.params.float_rounding, "timeout": self.params.timeout}
+            return self._worker.call(kwargs, budget * len(t))
+
+        try:
+            return call(refs, texts)
+        except CallFailed as exc:
+            if not exc.timed_out:
+                raise
         out: list[float | None] = []
-        for completion, ref in zip(completions, refs):
-            ref_text = str(ref)
-            # Signal-based timeouts only work in the main thread; rewards run in worker threads.
-            gold = parse(ref_text)
-            if not gold and "$" not in ref_text and _MATHY.search(ref_text):
-                gold = parse(f"${ref_text}$")  # bare LaTeX such as \sqrt{2} or x^2+1
-            if not gold:
-                out.append(None)
-                continue
-            text = completion_text(completion)
-            tagged = extract_answer(text)
-            pred = parse(f"${tagged}$" if tagged is not None and "$" not in tagged else text)
-            if not pred and tagged is not None:
-                pred = parse(text)
-            ok = bool(pred) and verify(gold, pred, float_rounding=p.float_rounding, timeout_seconds=timeout)
-            out.append(float(ok))
+        for ref, text in zip(refs, texts):
+            try:
+                out.extend(call([ref], [text]))
+            except CallFailed as exc:
+                if not exc.timed_out:
+                    raise
+                out.append(0.0)
         return out
+
+    def close(self) -> None:
+        """Stop the worker process (the reward runner calls this at the end of a run)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -9,7 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from builtin_rewards._text import completion_text
 
-THINK_ANSWER = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+#: ``<think>...</think>`` then ``<answer>...</answer>``. The lookahead with a back-reference
+#: takes the first ``</think> <answer>`` and never retries a later one, which keeps a text with
+#: many of them linear, not quadratic; with ``dotall`` (the default) a later one cannot match
+#: where the first did not, so the pattern matches what the plain ``.*?`` version does.
+THINK_ANSWER = r"^\s*<think>(?=(.*?</think>\s*<answer>))\1.*?</answer>\s*$"
 
 
 class RegexMatch:
@@ -44,12 +48,23 @@ class RegexMatch:
         return [p.match_reward if self._find(completion_text(c)) else p.miss_reward for c in completions]
 
 
+# No two adjacent quantifiers share characters, so a failed match costs time linear in the
+# text (a megabyte of spaces after "Answer:" must not take minutes).
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
 _FINAL_TAG = re.compile(rf"<answer>\s*{_NUM}\s*</answer>[\s.]*$", re.IGNORECASE)
-_ANY_TAG = re.compile(r"<answer>.*?</answer>", re.IGNORECASE | re.DOTALL)
+_OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
+_CLOSE_TAG = re.compile(r"</answer>", re.IGNORECASE)
+_LINE_END = r"[^\S\n]*(?:\*+(?:[^\S\n]|\.)*|\.(?:[^\S\n]|\.)*)?$"  # spaces, stars, periods
 _FINAL_LINE = re.compile(
-    rf"(?:(?:final answer|answer)\s*(?:is\s*:?|:|=)|^\s*####)\s*\**\s*{_NUM}\s*\**[\s.]*$", re.IGNORECASE | re.MULTILINE
+    rf"(?:(?:final answer|answer)\s*(?:is(?:\s*:)?|:|=)|^[^\S\n]*####)\s*(?:\*+\s*)?{_NUM}{_LINE_END}",
+    re.IGNORECASE | re.MULTILINE,
 )
+
+
+def _has_tag(text: str) -> bool:
+    """Whether an ``<answer>`` tag is closed somewhere after it."""
+    opening = _OPEN_TAG.search(text)
+    return opening is not None and _CLOSE_TAG.search(text, opening.end()) is not None
 
 
 class AnswerFormat:
@@ -71,7 +86,7 @@ class AnswerFormat:
             text = completion_text(c).strip()
             if _FINAL_TAG.search(text):
                 out.append(1.0)
-            elif _ANY_TAG.search(text) or _FINAL_LINE.search(text):
+            elif _has_tag(text) or _FINAL_LINE.search(text):
                 out.append(self.params.partial_credit)
             else:
                 out.append(0.0)

@@ -10,18 +10,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from builtin_rewards._text import completion_text
 
-_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# Spaces, not newlines, before the fence's newline: "\s*\n" would make a long run of blank
+# lines after an unclosed fence quadratic.
+_FENCE = re.compile(r"```(?:json)?[^\S\n]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def parse_json(text: str, *, code_fence: bool) -> tuple[bool, Any]:
-    """(ok, value): the completion (or, with ``code_fence``, the last fenced block) as JSON."""
+    """(ok, value): the completion (or, with ``code_fence``, the last fenced block) as JSON.
+
+    Not JSON: text that does not parse, numbers of more than 4300 digits (Python's limit on
+    converting text to an int) and JSON nested deeper than the json module reads (about 1000
+    levels)."""
     if code_fence:
         blocks = _FENCE.findall(text)
         if blocks:
             text = blocks[-1]
     try:
         return True, json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False, None
 
 
@@ -83,6 +89,9 @@ class JsonSchemaMatch:
             if not ok:
                 out.append(0.0)
                 continue
-            valid = validator_for(schema)(schema).is_valid(value)
+            try:
+                valid = validator_for(schema)(schema).is_valid(value)
+            except RecursionError:  # a recursive schema ("$ref": "#") on deeply nested JSON
+                valid = False
             out.append(1.0 if valid else p.valid_json_reward)
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -101,16 +102,22 @@ class NgramRepetition:
         p = self.params
         out = []
         for i, c in enumerate(completions):
+            items: Sequence[Any]
             if p.unit == "tokens":
                 if completion_ids is None:
                     raise ValueError("unit 'tokens' needs completion_ids; use unit: words")
-                items: list[Any] = list(completion_ids[i])
+                items = list(completion_ids[i])
             else:
                 text = completion_text(c)
-                items = text.lower().split() if p.unit == "words" else list(text)
-            grams = [tuple(items[j : j + p.ngram_size]) for j in range(len(items) - p.ngram_size + 1)]
-            if not grams:
+                items = text.lower().split() if p.unit == "words" else text
+            n = p.ngram_size
+            total = len(items) - n + 1
+            if total <= 0:
                 out.append(0.0)
                 continue
-            out.append(-p.max_penalty * (1.0 - len(set(grams)) / len(grams)))
+            # Only the distinct n-grams are kept (a megabyte of text is not a million tuples);
+            # an n-gram of characters is a slice of the text.
+            grams = (items[j : j + n] if isinstance(items, str) else tuple(items[j : j + n]) for j in range(total))
+            distinct = len(set(grams))
+            out.append(-p.max_penalty * (1.0 - distinct / total))
         return out

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builtin_rewards._text import completion_text, prompt_text
+from builtin_rewards._text import completion_text, prompt_text, without_surrogates
 
 
 class RewardModel:
@@ -59,8 +59,8 @@ class RewardModel:
         tok = self._tokenizer
         if isinstance(prompt, list) and getattr(tok, "chat_template", None):
             messages = list(prompt) + [{"role": "assistant", "content": completion_text(completion)}]
-            return tok.apply_chat_template(messages, tokenize=False)
-        return f"{prompt_text(prompt)}\n{completion_text(completion)}"
+            return without_surrogates(tok.apply_chat_template(messages, tokenize=False))
+        return without_surrogates(f"{prompt_text(prompt)}\n{completion_text(completion)}")
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
         import torch

@@ -732,6 +732,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    misuse = _set_misuse(argv)
+    if misuse is not None:
+        _error(misuse)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if args.command in ("config-reference", "trl-reference") and args.check and args.output is None:
         parser.error("--check needs --output")
@@ -758,6 +763,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = previous
         for logger, noise_filter in noise:
             logger.removeFilter(noise_filter)
+
+
+def _set_misuse(argv: Sequence[str]) -> str | None:
+    """The message for ``--set KEY VALUE`` (two arguments; argparse would only say
+    "unrecognized arguments"), or None."""
+    for i, token in enumerate(argv[:-1]):
+        key = argv[i + 1]
+        if token != "--set" or "=" in key or key.startswith("-"):
+            continue
+        value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("--") else "VALUE"
+        return f"--set takes KEY=VALUE as one argument: write --set {key}={value}"
+    return None
 
 
 #: Third-party log lines with nothing for a user of this command line to act on, as

@@ -340,6 +340,13 @@ def test_train_validates_and_calls_the_engine(tmp_path: Path, fake_engine, train
 # -- error handling --------------------------------------------------------------------------------
 
 
+def test_set_with_a_space_shows_the_one_argument_spelling(capsys):
+    assert cli.main(["validate", "run.yaml", "--set", "learning_rate", "1e-5"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --set takes KEY=VALUE as one argument: write --set learning_rate=1e-5"
+    assert cli.main(["train", "run.yaml", "--set", "max_steps"]) == 2
+    assert "write --set max_steps=VALUE" in capsys.readouterr().err
+
+
 def test_debug_shows_the_traceback():
     from grpo_plugins.batching import BatchPlanError
 

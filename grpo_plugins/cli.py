@@ -276,19 +276,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import ConfigError, load_config
+    from grpo_plugins.config import ConfigError
     from grpo_plugins.validation import check_config
 
     _show_info_logs()  # the "TRL key ..." lines of a TRL GRPOConfig's keys
-    config = load_config(args.config, args.set)
-    check = check_config(config, num_processes=args.num_processes)
+    check = check_config(args.config, num_processes=args.num_processes, overrides=args.set)
     if check.problems:
         raise ConfigError(check.problems, args.config)
+    config = check.config
     console = _console()
     console.print(f"[green]{args.config}: valid[/green]")
+    if config.dataset is not None:  # the task then only supplies default rewards (if any are used)
+        from grpo_plugins.validation import describe_dataset
+
+        console.print(f"  data: {describe_dataset(config.dataset)}, prompt column '{config.dataset.prompt_column}'",
+                      soft_wrap=True)
     for name, component in check.components.items():
+        if name == "task" and config.dataset is not None:
+            continue
         console.print(f"  {name}: {component.name} ({component.distribution})")
-    source = " (the task's defaults)" if check.rewards_from_task else ""
+    task = check.components.get("task")
+    source = f" (task {task.name}'s defaults)" if check.rewards_from_task and task is not None else ""
     weights = config.reward_weights or [spec.weight for spec, _ in check.rewards]
     rewards = ", ".join(f"{spec.name} x {w:g}" for (spec, _), w in zip(check.rewards, weights))
     console.print(f"  rewards{source}: {rewards}")
@@ -391,10 +399,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import load_config
     from grpo_plugins.validation import validate_config
 
-    config = validate_config(load_config(args.config, args.set))
+    config = validate_config(args.config, overrides=args.set)
     _show_info_logs()
     from grpo_plugins.engine import run_training
 
@@ -406,10 +413,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import ConfigError, load_config
+    from grpo_plugins.config import ConfigError
     from grpo_plugins.validation import eval_prompts_problem, validate_config
 
-    config = validate_config(load_config(args.config, args.set))
+    config = validate_config(args.config, overrides=args.set)
     problem = eval_prompts_problem(config)
     if problem is not None:
         raise ConfigError([problem], args.config)

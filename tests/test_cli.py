@@ -208,7 +208,7 @@ def test_validate_reports_what_it_checked(tmp_path: Path, site: Path):
     assert "valid" in result.stdout
     assert "task: cli_task (cli-test-plugin)" in result.stdout
     assert "loss_type: grpo (grpo-plugins)" in result.stdout
-    assert "rewards (the task's defaults): cli_reward" in result.stdout
+    assert "rewards (task cli_task's defaults): cli_reward" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -230,6 +230,58 @@ def test_validate_rejects_malformed_configs_without_a_traceback(tmp_path: Path, 
     assert result.returncode == 2
     assert says in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_validate_lists_every_independent_problem_in_one_pass(tmp_path: Path, capsys):
+    """An unknown key and a TRL refusal no longer hide the component, param and batch problems."""
+    config = tmp_path / "typos.yaml"
+    config.write_text(
+        "task: arithmetic\nlearnin_rate: 1e-5\npush_to_hub: true\nloss_type: dapoo\n"
+        "rewards:\n  - {name: length, params: {maxlen: 3}}\nnum_generations: 3\nper_device_train_batch_size: 8\n"
+    )
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "5 problems" in err
+    paths = [line.split(":")[0].strip() for line in err.splitlines()[1:]]
+    assert paths == ["push_to_hub", "learnin_rate", "loss_type", "rewards.0.params.maxlen", "num_generations"]
+
+
+def test_validate_skips_the_batch_check_of_an_invalid_batch_key(tmp_path: Path, capsys):
+    """A bad per_device_train_batch_size is reported; the batch arithmetic of its default is not."""
+    config = tmp_path / "run.yaml"
+    config.write_text("task: arithmetic\nper_device_train_batch_size: eight\nnum_generations: 3\nloss_type: nope\n")
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "per_device_train_batch_size:" in err and "loss_type: unknown loss_type 'nope'" in err
+    assert "not divisible" not in err
+
+
+def test_validate_checks_the_prompt_column_of_a_local_dataset(tmp_path: Path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"dataset: {{path: json, data_files: {data}}}\nrewards: [correct_answer]\nloss_type: dapoo\n")
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"dataset.prompt_column: dataset 'json' ({data}) has no column 'prompt' (its columns: question, answer); "
+        "set dataset.prompt_column: question"
+    ) in err
+    assert "loss_type: unknown loss_type 'dapoo'" in err  # in the same pass
+    # Named, it validates, and the summary names the data rather than the unused task.
+    assert cli.main(["validate", str(config), "--set", "dataset.prompt_column=question", "--set", "loss_type=dapo"]) == 0
+    out = capsys.readouterr().out
+    assert f"data: dataset 'json' ({data}), prompt column 'question'" in out
+    assert "task: arithmetic" not in out
+
+
+def test_validate_checks_the_eval_datasets_prompt_column(tmp_path: Path, capsys):
+    data = tmp_path / "eval.jsonl"
+    data.write_text('{"text": "1+1?"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"eval_dataset: {{path: json, data_files: {data}}}\n")
+    assert cli.main(["validate", str(config)]) == 2
+    assert "eval_dataset.prompt_column: dataset 'json'" in capsys.readouterr().err
 
 
 def test_validate_bad_yaml_and_missing_file(tmp_path: Path, capsys):

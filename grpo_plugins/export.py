@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import STATE_FILE, latest_checkpoint
+from grpo_plugins.console import quiet_libraries
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.files import as_ordinary_tree
 
@@ -202,6 +203,7 @@ def _strip_saved_config(path: Path) -> None:
         os.replace(tmp, path)
 
 
+@quiet_libraries()
 def export(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,

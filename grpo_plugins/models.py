@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.config import GRPOConfig, LoraSettings, ModelSpec
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.console import phase
 from grpo_plugins.files import as_ordinary_tree
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
         "converting %s into a trainable checkpoint, once (about 30 s); later runs load it from %s",
         gguf_path.name, target,
     )
+    phase(f"converting {gguf_path.name} (once)")
     folder, filename = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
@@ -170,6 +172,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    phase("loading model")
     return target
 
 

@@ -389,6 +389,69 @@ def test_train_validates_and_calls_the_engine(tmp_path: Path, fake_engine, train
     assert len(fake_engine) == 3
 
 
+def _engine_returning(monkeypatch: pytest.MonkeyPatch, outcome) -> None:
+    module = types.ModuleType("grpo_plugins.engine")
+    module.run_training = lambda config, *, resume=None: outcome(config)
+    monkeypatch.setitem(sys.modules, "grpo_plugins.engine", module)
+
+
+def test_train_ends_with_a_summary_of_the_run(tmp_path: Path, train_registry, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    # 8 logged steps: the first quarter is steps 1-2, the last steps 7-8.
+    (out / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward": s / 10, "rewards/r/mean": s / 20, "completions/mean_length": 40.0 - s}) + "\n"
+        for s in range(1, 9)
+    ))
+    checkpoint = out / "checkpoints" / "checkpoint-8"
+
+    def finished(config):
+        return types.SimpleNamespace(output_dir=out, global_step=8, checkpoint=checkpoint, history=[])
+
+    _engine_returning(monkeypatch, finished)
+    config = tmp_path / "run.yaml"
+    config.write_text("task: t\nnum_generations: 4\nper_device_train_batch_size: 4\n")
+    assert cli.main(["train", str(config), "--set", f"output_dir={out}"]) == 0
+    text = capsys.readouterr().out
+    assert "done: 8 steps in 0:00:0" in text
+    assert "first quarter (steps 1-2)" in text and "last quarter (steps 7-8)" in text
+    rows = {line.split()[0]: line.split()[-2:] for line in text.splitlines() if line.strip()}
+    assert rows["reward"] == ["0.150", "0.750"]
+    assert rows["r"] == ["0.075", "0.375"]
+    assert rows["completion"] == ["38.5", "32.5"]
+    assert f"checkpoint: {checkpoint}" in text and f"metrics: {out / 'metrics.jsonl'}" in text
+    assert f"grpo-plugins eval {config} --set output_dir={out}" in text
+    assert f"grpo-plugins report {out}" in text and f"grpo-plugins export {out} --out {out / 'exported'}" in text
+
+
+def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path: Path, train_registry, monkeypatch, capsys):
+    from grpo_plugins.engine import TrainingInterrupted
+
+    config = tmp_path / "run.yaml"
+    config.write_text("task: t\nnum_generations: 4\nper_device_train_batch_size: 4\n")
+    saved = tmp_path / "out" / "checkpoints" / "checkpoint-7"
+
+    def stopped(config):
+        raise TrainingInterrupted(7, saved, saved_now=True)
+
+    _engine_returning(monkeypatch, stopped)
+    assert cli.main(["train", str(config), "--set", f"output_dir={tmp_path / 'out'}"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted at step 7: saved {saved}" in err
+    assert f"continue with: grpo-plugins train {config} --set output_dir={tmp_path / 'out'} --resume" in err
+
+    older = tmp_path / "out" / "checkpoints" / "checkpoint-5"
+
+    def stopped_at_once(config):
+        raise TrainingInterrupted(7, older, saved_now=False)  # Ctrl-C twice: nothing saved at the stop
+
+    _engine_returning(monkeypatch, stopped_at_once)
+    assert cli.main(["train", str(config)]) == 130
+    err = capsys.readouterr().err
+    assert f"the last checkpoint is {older}; steps 6-7 are not in it and will be trained again" in err
+    assert "--resume" in err
+
+
 # -- error handling --------------------------------------------------------------------------------
 
 

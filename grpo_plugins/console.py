@@ -177,6 +177,7 @@ class RunConsole:
         self._phase_since = time.monotonic()
         self._begun = time.monotonic()
         self._last_step_at = self._begun
+        self.compiling = False  # the first step compiles (compiled layers, a CUDA graph): say so
         self._progress: Any = None
         self._task: Any = None
         self._previous: RunConsole | None = None
@@ -221,6 +222,8 @@ class RunConsole:
     def set_phase(self, text: str) -> None:
         """What the run is doing now; without a terminal, printed before the first step and while
         steps are slow."""
+        if self.compiling and self.step == self.start_step and text.endswith(f"step {self.start_step + 1}"):
+            text += " (compiling first)"
         if text == self.phase:
             return
         self.phase, self._phase_since = text, time.monotonic()

@@ -228,7 +228,10 @@ class Engine:
     @contextlib.contextmanager
     def _ctrl_c(self) -> Iterator[None]:
         """Route Ctrl-C through :meth:`_interrupt` (main thread, default handler only)."""
-        if threading.current_thread() is not threading.main_thread() or (
+        # Several processes could catch one Ctrl-C in different phases and disagree on where to
+        # save (a collective): they stop at once, as before.
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if several or threading.current_thread() is not threading.main_thread() or (
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler
         ):
             yield
@@ -263,6 +266,11 @@ class Engine:
         set_seed(cfg.seed)
         self._load_model()
         self.generator = build_generator(cfg, self.registry, self.unwrapped, self.tokenizer, acc.device)
+        from grpo_plugins.generators import generator_ref
+
+        self.console.compiling = self.compiled_layers is not None or (
+            generator_ref(cfg, cuda=acc.device.type == "cuda").name == "static"
+        )
         self.environment = build_environment(cfg, self.registry, self.generator, self.tokenizer, self._given_environment)
         self._load_data()
         self.rewards = reward_runner(cfg, self.registry, self._given_rewards, self.task)
@@ -488,7 +496,7 @@ class Engine:
             raise getattr(failed, "error", failed) from None
         except KeyboardInterrupt:
             # Nothing of this cycle is trained yet: its start is an exact place to resume from.
-            saved_now = self.global_step > 0 and not saved
+            saved_now = self.global_step > 0 and not saved and self.accelerator.num_processes == 1
             if saved_now:
                 if generator_at_cycle_start is not None:  # its call counter seeds the next generation
                     self.generator.load_state_dict(generator_at_cycle_start)

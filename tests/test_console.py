@@ -122,3 +122,14 @@ def test_show_library_output_lets_everything_through() -> None:
             assert tf_logging.is_progress_bar_enabled()
     finally:
         run_console.show_library_output(False)
+
+
+def test_the_first_step_says_it_compiles_when_it_does() -> None:
+    out = io.StringIO()
+    with RunConsole(interactive=False, file=out) as shown:
+        shown.compiling = True
+        shown.begin(total_steps=3)
+        phase("generating step 1")
+        shown.step_done(1, RECORD)
+        shown.step_done(2, RECORD)
+    assert out.getvalue().splitlines() == ["grpo-plugins: generating step 1 (compiling first)..."]

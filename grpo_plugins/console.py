@@ -25,7 +25,10 @@ from typing import Any, TextIO
 __all__ = [
     "KNOWN_NOISE",
     "RunConsole",
+    "clock",
+    "drop_known_noise",
     "first_and_last",
+    "metrics_parts",
     "phase",
     "quiet_libraries",
     "show_library_output",

@@ -484,7 +484,7 @@ def _print_run_summary(args: argparse.Namespace, result: Any, seconds: float) ->
         table.add_column(f"first quarter ({first})", justify="right")
         table.add_column(f"last quarter ({last})", justify="right")
         names = [k[len("rewards/"):-len("/mean")] for k in records[-1] if k.startswith("rewards/") and k.endswith("/mean")]
-        rows = [("reward (weighted)", "reward", 3)] + [(n, f"rewards/{n}/mean", 3) for n in names]
+        rows = [("reward (weighted)", "reward", 3)] + [(name, f"rewards/{name}/mean", 3) for name in names]
         rows.append(("completion length", "completions/mean_length", 1))
         for label, key, digits in rows:
             pair = first_and_last(records, key)

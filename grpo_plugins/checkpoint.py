@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.files import as_ordinary_tree
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -233,6 +234,7 @@ def save_checkpoint(
             if trash.exists():
                 shutil.rmtree(trash)
             os.replace(final, trash)
+        as_ordinary_tree(tmp)  # safetensors writes its files as 0600 whatever the umask
         _fsync_tree(tmp)  # the rename must not become visible before the contents are on disk
         os.replace(tmp, final)
         _fsync_dir(root)

@@ -276,19 +276,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import ConfigError, load_config
+    from grpo_plugins.config import ConfigError
     from grpo_plugins.validation import check_config
 
     _show_info_logs()  # the "TRL key ..." lines of a TRL GRPOConfig's keys
-    config = load_config(args.config, args.set)
-    check = check_config(config, num_processes=args.num_processes)
+    check = check_config(args.config, num_processes=args.num_processes, overrides=args.set)
     if check.problems:
         raise ConfigError(check.problems, args.config)
+    config = check.config
     console = _console()
     console.print(f"[green]{args.config}: valid[/green]")
+    if config.dataset is not None:  # the task then only supplies default rewards (if any are used)
+        from grpo_plugins.validation import describe_dataset
+
+        console.print(f"  data: {describe_dataset(config.dataset)}, prompt column '{config.dataset.prompt_column}'",
+                      soft_wrap=True)
     for name, component in check.components.items():
+        if name == "task" and config.dataset is not None:
+            continue
         console.print(f"  {name}: {component.name} ({component.distribution})")
-    source = " (the task's defaults)" if check.rewards_from_task else ""
+    task = check.components.get("task")
+    source = f" (task {task.name}'s defaults)" if check.rewards_from_task and task is not None else ""
     weights = config.reward_weights or [spec.weight for spec, _ in check.rewards]
     rewards = ", ".join(f"{spec.name} x {w:g}" for (spec, _), w in zip(check.rewards, weights))
     console.print(f"  rewards{source}: {rewards}")
@@ -391,25 +399,119 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import load_config
+    import time
+
     from grpo_plugins.validation import validate_config
 
-    config = validate_config(load_config(args.config, args.set))
+    config = validate_config(args.config, overrides=args.set)
     _show_info_logs()
     from grpo_plugins.engine import run_training
 
-    result = run_training(config, resume=args.resume)
+    started = time.monotonic()
+    try:
+        result = run_training(config, resume=args.resume)
+    except KeyboardInterrupt as stop:
+        if args.debug:
+            raise
+        _print_interrupted(args, config.output_dir, stop)
+        return EXIT_INTERRUPTED
     output_dir = getattr(result, "output_dir", None)
     if output_dir is not None:
-        _console().print(f"[green]done: results in {output_dir}[/green]")
+        _print_run_summary(args, result, time.monotonic() - started)
     return 0
 
 
+def _train_command(args: argparse.Namespace, *extra: str) -> str:
+    """The ``grpo-plugins train`` command line of this run, plus ``extra``."""
+    import shlex
+
+    sets = [f"--set {shlex.quote(item)}" for item in args.set]
+    return " ".join(["grpo-plugins train", shlex.quote(args.config), *sets, *extra])
+
+
+def _print_interrupted(args: argparse.Namespace, output_dir: str, stop: KeyboardInterrupt) -> None:
+    """Where a Ctrl-C left the run and the command that continues it."""
+    from grpo_plugins.checkpoint import latest_checkpoint
+
+    console = _console(stderr=True)
+    step = getattr(stop, "step", None)
+    checkpoint = getattr(stop, "checkpoint", None) or latest_checkpoint(output_dir)
+    at = f" at step {step}" if step is not None else ""
+    if checkpoint is None:
+        console.print(
+            f"[yellow]interrupted{at}; no checkpoint was saved yet. Start again with the same command "
+            f"(if it says output_dir holds an earlier run, delete '{output_dir}' or add --set output_dir=...)[/yellow]",
+            soft_wrap=True,
+        )
+        return
+    saved = "saved" if getattr(stop, "saved_now", False) else "the last checkpoint is"
+    lost = ""
+    saved_step = _checkpoint_step(checkpoint)
+    if step is not None and saved_step is not None and saved_step < step:
+        lost = f"; steps {saved_step + 1}-{step} are not in it and will be trained again"
+    console.print(f"[yellow]interrupted{at}: {saved} {checkpoint}{lost}[/yellow]", soft_wrap=True)
+    console.print(f"continue with: {_train_command(args, '--resume')}", soft_wrap=True, highlight=False)
+
+
+def _checkpoint_step(checkpoint: Path) -> int | None:
+    name = Path(checkpoint).name
+    return int(name.rpartition("-")[2]) if name.rpartition("-")[2].isdigit() else None
+
+
+def _print_run_summary(args: argparse.Namespace, result: Any, seconds: float) -> None:
+    """The end of a run: first against last quarter of each reward and the completion length,
+    the wall time, where everything is, and the commands that come next."""
+    import shlex
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from grpo_plugins.console import clock, first_and_last
+    from grpo_plugins.metrics import METRICS_FILE, read_metrics
+
+    output_dir = Path(result.output_dir)
+    records = [r for r in read_metrics(output_dir) if "reward" in r] or list(getattr(result, "history", []) or [])
+    console = _console()
+    steps = getattr(result, "global_step", None)
+    done = f"{steps} steps" if steps is not None else "training"
+    console.print(f"[green]done: {done} in {clock(seconds)}[/green]", soft_wrap=True)
+    if records:
+        n = max(1, len(records) // 4)
+        first = f"steps {records[0].get('step', '?')}-{records[n - 1].get('step', '?')}"
+        last = f"steps {records[-n].get('step', '?')}-{records[-1].get('step', '?')}"
+        table = Table(box=None, pad_edge=False, show_edge=False)
+        table.add_column("")
+        table.add_column(f"first quarter ({first})", justify="right")
+        table.add_column(f"last quarter ({last})", justify="right")
+        names = [k[len("rewards/"):-len("/mean")] for k in records[-1] if k.startswith("rewards/") and k.endswith("/mean")]
+        rows = [("reward (weighted)", "reward", 3)] + [(name, f"rewards/{name}/mean", 3) for name in names]
+        rows.append(("completion length", "completions/mean_length", 1))
+        for label, key, digits in rows:
+            pair = first_and_last(records, key)
+            if pair is not None:
+                table.add_row(escape(label), f"{pair[0]:.{digits}f}", f"{pair[1]:.{digits}f}")
+        console.print(table)
+    run = shlex.quote(str(output_dir))
+    checkpoint = getattr(result, "checkpoint", None)
+    if checkpoint is not None:
+        console.print(f"checkpoint: {escape(str(checkpoint))}", soft_wrap=True)
+    console.print(f"metrics: {escape(str(output_dir / METRICS_FILE))}", soft_wrap=True)
+    console.print("next:", soft_wrap=True)
+    for command, what in (
+        (" ".join(["grpo-plugins eval", shlex.quote(args.config), *(f"--set {shlex.quote(i)}" for i in args.set)]),
+         "held-out reward of the newest checkpoint"),
+        (f"grpo-plugins report {run}", "an HTML page with the run's curves and samples"),
+        (f"grpo-plugins export {run} --out {shlex.quote(str(output_dir / 'exported'))}",
+         "a transformers checkpoint (a LoRA adapter merged in); --gguf FILE for llama.cpp"),
+    ):
+        console.print(f"  {escape(command)}    [dim]{what}[/dim]", soft_wrap=True)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpo_plugins.config import ConfigError, load_config
+    from grpo_plugins.config import ConfigError
     from grpo_plugins.validation import eval_prompts_problem, validate_config
 
-    config = validate_config(load_config(args.config, args.set))
+    config = validate_config(args.config, overrides=args.set)
     problem = eval_prompts_problem(config)
     if problem is not None:
         raise ConfigError([problem], args.config)
@@ -732,12 +834,21 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    misuse = _set_misuse(argv)
+    if misuse is not None:
+        _error(misuse)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if args.command in ("config-reference", "trl-reference") and args.check and args.output is None:
         parser.error("--check needs --output")
+    from grpo_plugins import console as run_console
+
     previous = warnings.showwarning
     warnings.showwarning = _warnings_printer(previous)
-    noise = [] if args.debug else _drop_known_noise()
+    run_console.show_library_output(args.debug)
+    quiet = run_console.drop_known_noise()
+    quiet.__enter__()
     try:
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
@@ -756,39 +867,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         warnings.showwarning = previous
-        for logger, noise_filter in noise:
-            logger.removeFilter(noise_filter)
+        quiet.__exit__(None, None, None)
+        run_console.show_library_output(False)
 
 
-#: Third-party log lines with nothing for a user of this command line to act on, as
-#: (logger, start of the message). ``--debug`` shows them.
-KNOWN_NOISE: tuple[tuple[str, str], ...] = (
-    # peft imports bitsandbytes on every run; on a CPU with AVX512-BF16, bitsandbytes then looks
-    # for an optional kernel package and, without it, uses its own kernels -- even when nothing
-    # is quantised.
-    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),
-)
-
-
-class _MessageFilter(logging.Filter):
-    """Drops the records whose message starts with ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-def _drop_known_noise() -> list[tuple[logging.Logger, logging.Filter]]:
-    """Installs a filter for each of ``KNOWN_NOISE``; returns them, to be removed afterwards."""
-    installed: list[tuple[logging.Logger, logging.Filter]] = []
-    for name, prefix in KNOWN_NOISE:
-        logger, noise_filter = logging.getLogger(name), _MessageFilter(prefix)
-        logger.addFilter(noise_filter)
-        installed.append((logger, noise_filter))
-    return installed
+def _set_misuse(argv: Sequence[str]) -> str | None:
+    """The message for ``--set KEY VALUE`` (two arguments; argparse would only say
+    "unrecognized arguments"), or None."""
+    for i, token in enumerate(argv[:-1]):
+        key = argv[i + 1]
+        if token != "--set" or "=" in key or key.startswith("-"):
+            continue
+        value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("--") else "VALUE"
+        return f"--set takes KEY=VALUE as one argument: write --set {key}={value}"
+    return None
 
 
 def _warnings_printer(previous: Callable[..., None]) -> Callable[..., None]:

@@ -540,6 +540,22 @@ def load_config(
         ConfigError: listing every problem with its dotted path; unknown keys come with a
             "did you mean" suggestion.
     """
+    data, where = config_data(source, overrides)
+    try:
+        return GRPOConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_readable(exc, data), where) from None
+
+
+def config_data(
+    source: str | os.PathLike[str] | Mapping[str, Any] | GRPOConfig | None, overrides: Iterable[str] = ()
+) -> tuple[dict[str, Any], str | None]:
+    """The raw mapping of a config (read, YAML parsed, ``--set`` overrides applied) and the file
+    it came from (None for a mapping).
+
+    Raises:
+        ConfigError: an unreadable file, invalid YAML, not a mapping, or a malformed override.
+    """
     import yaml
 
     where: str | None = None
@@ -574,14 +590,41 @@ def load_config(
             problems.append((exc.field, str(exc)))
     if problems:
         raise ConfigError(problems, where)
-    try:
-        return GRPOConfig.model_validate(data)
-    except ValidationError as exc:
-        problems = validation_errors(exc, GRPOConfig, data, extra_keys=CONFIG_ALIASES)
-        problems = [
-            (path, (msg.startswith("unknown key") and component_param_hint(path)) or msg) for path, msg in problems
-        ]
-        raise ConfigError(problems, where) from None
+    return data, where
+
+
+def load_config_leniently(data: Mapping[str, Any]) -> tuple[GRPOConfig | None, list[tuple[str, str]], set[str]]:
+    """Load as much of a config mapping as is valid, to check the rest in the same pass.
+
+    Each top-level key with a problem (an unknown key, a bad value, a TRL key that cannot apply)
+    is left out and the rest loaded again, until it loads; a check that stops at its first
+    problem (a TRL refusal) thus does not hide the others.
+
+    Returns:
+        The config with those keys at their defaults (None when a problem concerns no single
+        key), every problem found, and the keys left out.
+    """
+    data = dict(data)
+    problems: list[tuple[str, str]] = []
+    dropped: set[str] = set()
+    while True:
+        try:
+            return GRPOConfig.model_validate(data), problems, dropped
+        except ValidationError as exc:
+            found = [p for p in _readable(exc, data) if p not in problems]
+        problems.extend(found)
+        roots = {path.split(".")[0] for path, _ in found} & set(data)
+        if not roots:  # nothing new, or a problem that no single key causes
+            return None, problems, dropped
+        for root in roots:
+            data.pop(root)
+        dropped |= roots
+
+
+def _readable(exc: ValidationError, data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The problems of a failed validation, each ``(dotted path, message)``."""
+    problems = validation_errors(exc, GRPOConfig, data, extra_keys=CONFIG_ALIASES)
+    return [(path, (msg.startswith("unknown key") and component_param_hint(path)) or msg) for path, msg in problems]
 
 
 def component_param_hint(key: str) -> str | None:

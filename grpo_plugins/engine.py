@@ -20,13 +20,16 @@ The same script runs on a CPU, one GPU, or several processes under ``accelerate 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import math
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,7 @@ from grpo_plugins.checkpoint import (
 )
 from grpo_plugins.compiled_layers import compiled_layers_for
 from grpo_plugins.config import GRPOConfig, load_config
+from grpo_plugins.console import RunConsole, phase
 from grpo_plugins.episodes import build_environment
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.evaluation import Evaluator
@@ -70,7 +74,7 @@ from grpo_plugins.update import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "NonFiniteError", "TrainResult", "TrainingError", "run_training"]
+__all__ = ["Engine", "NonFiniteError", "TrainResult", "TrainingError", "TrainingInterrupted", "run_training"]
 
 
 @dataclass
@@ -92,6 +96,21 @@ class TrainResult:
     checkpoint: Path | None
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run.
+
+    Attributes:
+        step: optimizer steps done.
+        checkpoint: the checkpoint to resume from (saved at the interruption when it could be
+            saved exactly, else the last one), or None when there is none.
+        saved_now: whether ``checkpoint`` was saved at the interruption.
+    """
+
+    def __init__(self, step: int, checkpoint: Path | None, saved_now: bool) -> None:
+        super().__init__(step, checkpoint)
+        self.step, self.checkpoint, self.saved_now = step, checkpoint, saved_now
 
 
 class Engine:
@@ -184,6 +203,10 @@ class Engine:
         self.log: StepLog | None = None
         self._own_process_group = False  # fsdp on one process: a group of one, ended at teardown
         self.heap = LongLivedObjects()  # keeps full garbage collections out of the steps (heap.py)
+        self.console = RunConsole(enabled=os.environ.get("RANK", "0") == "0")
+        # Ctrl-C during training finishes the optimizer step and saves (see _interrupt).
+        self._training_now = False
+        self._stop_requested = False
 
     # -- public --------------------------------------------------------------------------------
 
@@ -202,11 +225,41 @@ class Engine:
         resume_from = resolve_resume(resume, self.output_dir)
         if resume_from is None:
             refuse_fresh_run_over(self.output_dir)
-        self._setup()
+        with self.console, self._ctrl_c():
+            phase("loading model")
+            self._setup()
+            try:
+                return self._run(resume_from)
+            finally:
+                self._teardown()
+
+    @contextlib.contextmanager
+    def _ctrl_c(self) -> Iterator[None]:
+        """Route Ctrl-C through :meth:`_interrupt` (main thread, default handler only)."""
+        # Several processes could catch one Ctrl-C in different phases and disagree on where to
+        # save (a collective): they stop at once, as before.
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if several or threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+        signal.signal(signal.SIGINT, self._interrupt)
         try:
-            return self._run(resume_from)
+            yield
         finally:
-            self._teardown()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        """Ctrl-C while a step trains: finish its optimizer step, save and stop (a checkpoint
+        taken there resumes exactly). Anywhere else, or pressed again: stop at once."""
+        if self._training_now and not self._stop_requested:
+            self._stop_requested = True
+            self.console.print(
+                "Ctrl-C: saving a checkpoint when the optimizer step in progress ends (Ctrl-C again to stop at once)"
+            )
+            return
+        raise KeyboardInterrupt
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -221,6 +274,11 @@ class Engine:
         set_seed(cfg.seed)
         self._load_model()
         self.generator = build_generator(cfg, self.registry, self.unwrapped, self.tokenizer, acc.device)
+        from grpo_plugins.generators import generator_ref
+
+        self.console.compiling = self.compiled_layers is not None or (
+            generator_ref(cfg, cuda=acc.device.type == "cuda").name == "static"
+        )
         self.environment = build_environment(cfg, self.registry, self.generator, self.tokenizer, self._given_environment)
         self._load_data()
         self.rewards = reward_runner(cfg, self.registry, self._given_rewards, self.task)
@@ -352,7 +410,8 @@ class Engine:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.output_dir / "config.yaml", cfg.to_yaml())
         self.writer = MetricsWriter(
-            self.output_dir, list(cfg.report_to), self.total_steps, self.global_step, enabled=acc.is_main_process
+            self.output_dir, list(cfg.report_to), self.total_steps, self.global_step, enabled=acc.is_main_process,
+            console=self.console,
         )
         self.log = StepLog(self.writer, cfg.logging_steps, self.total_steps, acc.device, log_window)
         last_saved = self.global_step if resumed_from is not None else -1
@@ -372,8 +431,10 @@ class Engine:
             windows = accumulation_windows(steps)
             window = AccumulationWindow()
             self.log.start_cycle()
+            self._training_now = True
             for k in range(start_k, len(steps)):
                 step, items = steps[k], rollout.window_items[windows[k]]
+                phase(f"training step {self.global_step + 1}")
                 with self.log.training(), self.guard.phase("training", self.global_step + 1):
                     self.update.micro_step(rollout, step, items, window)
                 self._trace(cycle, step, rollout)
@@ -401,6 +462,12 @@ class Engine:
                     last_saved = self.global_step
                 if done:
                     break
+                if self._stop_requested:  # Ctrl-C: between optimizer steps, a checkpoint resumes exactly
+                    self._training_now = False
+                    if last_saved != self.global_step:
+                        self._save(cycle, k + 1, rollout) if mid_cycle else self._save(cycle + 1, 0, None)
+                    raise TrainingInterrupted(self.global_step, self.guard.last_checkpoint, saved_now=True)
+            self._training_now = False
             cycle, start_k, rollout = cycle + 1, 0, None
             if cycle == first_cycle + 1 and self.global_step < self.total_steps:
                 self.heap.freeze()  # and so do the graphs the first cycle compiled (not its rollout)
@@ -419,6 +486,7 @@ class Engine:
         """Evaluate the policy now and log ``eval/...`` metrics at the current step (training's
         random streams and the generator's state are left as they were)."""
         assert self.evaluator is not None and self.writer is not None and self.guard is not None
+        phase(f"evaluating at step {self.global_step}")
         with self.guard.phase("evaluation", self.global_step), self._full_weights():
             result = self.evaluator.run(step=self.global_step, model=f"step {self.global_step}")
         metrics = result.metrics()
@@ -430,6 +498,7 @@ class Engine:
         run between cycles, after saving the progress made (unless ``saved`` already)."""
         assert self.rollouts is not None and self.guard is not None and self.log is not None
         rng_at_cycle_start = capture_rng()
+        generator_at_cycle_start = self.generator.state_dict() if hasattr(self.generator, "state_dict") else None
         t0 = time.perf_counter()
         try:
             with self.guard.phase("generation", self.global_step + 1), self._full_weights():
@@ -438,6 +507,14 @@ class Engine:
             if self.global_step > 0 and not saved:
                 self._save(cycle, 0, None, rng_at_cycle_start)
             raise getattr(failed, "error", failed) from None
+        except KeyboardInterrupt:
+            # Nothing of this cycle is trained yet: its start is an exact place to resume from.
+            saved_now = self.global_step > 0 and not saved and self.accelerator.num_processes == 1
+            if saved_now:
+                if generator_at_cycle_start is not None:  # its call counter seeds the next generation
+                    self.generator.load_state_dict(generator_at_cycle_start)
+                self._save(cycle, 0, None, rng_at_cycle_start)
+            raise TrainingInterrupted(self.global_step, self.guard.last_checkpoint, saved_now) from None
         self.log.rollout_done(rollout, time.perf_counter() - t0)
         self.num_tokens += rollout.num_tokens
         self.next_prompt = rollout.next_prompt
@@ -500,6 +577,7 @@ class Engine:
         ``rollout`` when that is mid-cycle) and with the RNG state ``rng`` (default: now's)."""
         acc = self.accelerator
         assert self.log is not None and self.guard is not None
+        phase(f"saving checkpoint {self.global_step}")
         state = {
             "global_step": self.global_step,
             "cycle": cycle,

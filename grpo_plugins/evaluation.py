@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import STATE_FILE, CheckpointError, capture_rng, latest_checkpoint, restore_rng
 from grpo_plugins.config import GRPOConfig
+from grpo_plugins.console import quiet_libraries
 from grpo_plugins.errors import TrainingError
 
 if TYPE_CHECKING:
@@ -479,6 +480,7 @@ def load_eval_model(config: GRPOConfig, model_dir: Path | None, device: Any) -> 
     return model.eval(), tokenizer
 
 
+@quiet_libraries()
 def evaluate(
     config: GRPOConfig,
     *,

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import STATE_FILE, latest_checkpoint
+from grpo_plugins.console import quiet_libraries
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.files import as_ordinary
+from grpo_plugins.files import as_ordinary_tree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -170,11 +171,11 @@ def save_checkpoint_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     check_out_folder(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    as_ordinary(tmp)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         _strip_saved_config(tmp / "config.json")
+        as_ordinary_tree(tmp)  # mkdtemp's folder and safetensors' file are private (0700 / 0600)
         trash = out.with_name(f".{out.name}.old")
         if out.exists():
             if trash.exists():
@@ -202,6 +203,7 @@ def _strip_saved_config(path: Path) -> None:
         os.replace(tmp, path)
 
 
+@quiet_libraries()
 def export(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,

@@ -3,6 +3,7 @@ permissions an ordinary ``open``/``mkdir`` would give them.
 
 ``tempfile.mkdtemp`` and ``mkstemp`` create private entries (0700 / 0600) whatever the umask, so an
 exported model or GGUF file renamed from them would be unreadable to the user's group and others.
+safetensors' ``save_file`` (under every ``save_pretrained``) writes its files as 0600 too.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["as_ordinary"]
+__all__ = ["as_ordinary", "as_ordinary_tree"]
 
 
 def _umask() -> int:
@@ -24,3 +25,14 @@ def as_ordinary(path: str | os.PathLike[str]) -> None:
     0666 or 0777 less the umask."""
     path = Path(path)
     os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
+
+
+def as_ordinary_tree(root: str | os.PathLike[str]) -> None:
+    """:func:`as_ordinary` for ``root`` and everything under it (symbolic links are left alone)."""
+    root = Path(root)
+    as_ordinary(root)
+    for folder, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            path = Path(folder, name)
+            if not path.is_symlink():
+                as_ordinary(path)

@@ -1,8 +1,9 @@
 """Training metrics: the per-step statistics (docs/engine.md) and where they are written.
 
 :func:`reward_metrics` and :func:`completion_metrics` turn a gathered generation batch into
-TRL-named metrics; :class:`MetricsWriter` sends each logged step to the console (a rich progress
-bar), ``metrics.jsonl`` (one JSON object per line, flushed per line) and TensorBoard.
+TRL-named metrics; :class:`MetricsWriter` sends each logged step to the console
+(:mod:`grpo_plugins.console`), ``metrics.jsonl`` (one JSON object per line, flushed per line) and
+TensorBoard.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,12 +162,12 @@ class MetricsWriter:
     Args:
         output_dir: the run's output directory.
         report_to: any of ``"jsonl"``, ``"tensorboard"``.
-        total_steps: optimizer steps of the whole run (for the progress bar).
+        total_steps: optimizer steps of the whole run (for the progress display).
         start_step: the step a resumed run starts after.
         enabled: False on non-main processes.
-        console: report progress on the console: a live rich bar in a terminal; one compact line
-            per logged step where stdout is not a terminal (a log file, CI, a cluster job).
-        interactive: whether stdout is a terminal (default: ask it).
+        console: where progress is shown: a :class:`~grpo_plugins.console.RunConsole` (the
+            engine's, open for the whole run), True for one of its own, False for none.
+        interactive: for a console of its own: whether stdout is a terminal (default: ask it).
     """
 
     def __init__(
@@ -178,21 +178,26 @@ class MetricsWriter:
         start_step: int = 0,
         *,
         enabled: bool = True,
-        console: bool = True,
+        console: Any = True,
         interactive: bool | None = None,
     ) -> None:
-        import sys
+        from grpo_plugins.console import RunConsole
 
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self.total_steps = total_steps
-        self._lines = False  # one printed line per logged step instead of the live bar
-        self._started = time.monotonic()
-        self._start_step = start_step
         self._jsonl = None
         self._completions = None
         self._tb = None
-        self._progress = None
+        self._own_console = console is True and enabled
+        if isinstance(console, RunConsole):
+            self.console: RunConsole | None = console
+        elif self._own_console:
+            self.console = RunConsole(interactive=interactive).__enter__()
+        else:
+            self.console = None
+        if self.console is not None:
+            self.console.begin(total_steps, start_step)
         if not enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -205,41 +210,19 @@ class MetricsWriter:
 
             # purge_step drops events a killed run wrote after its last checkpoint.
             self._tb = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
-        if interactive is None:
-            interactive = sys.stdout.isatty()
-        if console and not interactive:
-            self._lines = True
-        elif console:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("[bold]GRPO"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("reward {task.fields[reward]}"),
-                TextColumn("{task.fields[step_time]} s/step"),
-                TimeRemainingColumn(),
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, reward="-", step_time="-")
 
     def progress(self, step: int, metrics: dict[str, float]) -> None:
-        """Advance the progress bar to ``step`` showing its reward and step time."""
-        if self._progress is not None:
-            self._progress.update(
-                self._task,
-                completed=step,
-                reward=f"{metrics.get('reward', float('nan')):.3f}",
-                step_time=f"{metrics.get('timing/step', float('nan')):.2f}",
-            )
+        """An optimizer step is done: show its rewards, length and time."""
+        if self.console is not None:
+            self.console.step_done(step, metrics)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Write one logged step (metrics already averaged over the logging window)."""
         if not self.enabled:
             return
         self._record(step, metrics)
-        if self._lines:
-            print(self.line(step, metrics), flush=True)
+        if self.console is not None:
+            self.console.logged(step, metrics)
 
     def _record(self, step: int, metrics: dict[str, float]) -> None:
         """One record in metrics.jsonl and TensorBoard scalars."""
@@ -257,35 +240,13 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._record(step, metrics)
-        if self._progress is not None:
-            from rich.markup import escape
-
-            self._progress.console.print(escape(eval_line(step, metrics)))
-        elif self._lines:
-            print(eval_line(step, metrics), flush=True)
+        if self.console is not None:
+            self.console.print(eval_line(step, metrics))
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
-        """The compact console line of a logged step: step, reward and each reward component,
-        KL, mean completion length, seconds per step and the time left."""
-        parts = [f"step {step}/{self.total_steps}", f"reward {metrics.get('reward', float('nan')):.3f}"]
-        components = [
-            f"{key[len('rewards/'):-len('/mean')]} {value:.3f}"
-            for key, value in metrics.items()
-            if key.startswith("rewards/") and key.endswith("/mean")
-        ]
-        if components:
-            parts.append(" ".join(components))
-        if "kl" in metrics:
-            parts.append(f"kl {metrics['kl']:.4f}")
-        if "completions/mean_length" in metrics:
-            parts.append(f"len {metrics['completions/mean_length']:.1f}")
-        done = step - self._start_step
-        if done > 0:
-            per_step = (time.monotonic() - self._started) / done
-            left = max(self.total_steps - step, 0) * per_step
-            parts.append(f"{metrics.get('timing/step', per_step):.2f} s/step")
-            parts.append(f"ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}")
-        return " | ".join(parts)
+        """The compact console line of a logged step (see :meth:`RunConsole.line`)."""
+        assert self.console is not None
+        return self.console.line(step, metrics)
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append sampled completions (prompt, completion, rewards, advantage) to completions.jsonl."""
@@ -298,9 +259,9 @@ class MetricsWriter:
         self._completions.flush()
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+        if self._own_console and self.console is not None:
+            self.console.close()
+            self.console = None
         for handle in (self._jsonl, self._completions):
             if handle is not None:
                 handle.close()

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.config import GRPOConfig, LoraSettings, ModelSpec
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.files import as_ordinary
+from grpo_plugins.console import phase
+from grpo_plugins.files import as_ordinary_tree
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +126,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
         "converting %s into a trainable checkpoint, once (about 30 s); later runs load it from %s",
         gguf_path.name, target,
     )
+    phase(f"converting {gguf_path.name} (once)")
     folder, filename = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
@@ -155,13 +157,13 @@ def convert_gguf(gguf_path: str | Path) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    as_ordinary(tmp)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "grpo_plugins_source.json").write_text(
             json.dumps({"gguf_file": str(gguf_path.resolve()), "size": gguf_path.stat().st_size})
         )
+        as_ordinary_tree(tmp)  # the cache is an ordinary folder: mkdtemp and safetensors make theirs private
         try:
             os.replace(tmp, target)
         except OSError:  # another process finished first; its copy is as good as ours
@@ -170,6 +172,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    phase("loading model")
     return target
 
 

@@ -179,9 +179,18 @@ def _lines(
         right.grid(False)
         h2, l2 = right.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    if handles:
+    if handles and twin_present:
+        # Above the plot: inside it, "best" avoids only the left axis's lines and covers the
+        # right axis's line and ticks.
+        ax.legend(handles, labels, fontsize=8, frameon=False, loc="lower left", bbox_to_anchor=(0.0, 1.0),
+                  ncol=min(len(handles), 5), borderaxespad=0.2, handlelength=1.5, columnspacing=1.0)
+    elif handles:
         ax.legend(handles, labels, fontsize=8, frameon=False, loc="best")
     return _svg(fig)
+
+
+#: One colour per part of the step-time chart (a distinct one each: none repeats).
+TIMING_COLOURS = {"generate": "C0", "reward": "C1", "log-probs": "C2", "train": "C3", "other (overhead)": "0.7"}
 
 
 def _timing(records: Sequence[dict[str, Any]]) -> str | None:
@@ -203,7 +212,7 @@ def _timing(records: Sequence[dict[str, Any]]) -> str | None:
         stacks.append(other)
         labels.append("other (overhead)")
     fig, ax = plt.subplots(figsize=(6.4, 3.0))
-    ax.stackplot(steps, stacks, labels=labels, alpha=0.85, colors=["C0", "C1", "C2", "0.7"][: len(stacks)])
+    ax.stackplot(steps, stacks, labels=labels, alpha=0.85, colors=[TIMING_COLOURS[label] for label in labels])
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8, frameon=False, loc="upper right")
@@ -265,6 +274,33 @@ def _section(section_id: str, body: str, wide: bool = False) -> str:
 
 def _plot_or_note(svg: str | None, note: str) -> str:
     return svg if svg is not None else f'<p class="note">{_esc(note)}</p>'
+
+
+CLIP_KEYS = (
+    ("clip_ratio/low_mean", "low (ratio < 1 - ε)"), ("clip_ratio/high_mean", "high (ratio > 1 + ε_high)"),
+    ("clip_ratio/region_mean", "either"),
+)
+
+
+def _clip_note(records: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:
+    """Why a clip-ratio panel is flat at zero: an on-policy run (one optimizer step per generation
+    batch) computes its loss with the policy that sampled, so the ratio is exactly 1."""
+    values = [float(r[k]) for r in records for k, _ in CLIP_KEYS if k in r]
+    if not values or any(v != 0.0 for v in values):
+        return ""
+    iterations = int(config.get("num_iterations") or 1)
+    accumulation = int(config.get("gradient_accumulation_steps") or 1)
+    per_generation = config.get("steps_per_generation") or accumulation
+    if iterations == 1 and per_generation == accumulation:
+        why = (
+            "This run is on-policy (num_iterations 1, one optimizer step per generation batch): each loss "
+            "is computed with the weights that sampled the completions, so the importance ratio is exactly 1 "
+            "and clips nothing. Clipping acts with num_iterations > 1 or steps_per_generation > "
+            "gradient_accumulation_steps."
+        )
+    else:
+        why = "No token's importance ratio left the clip range in this run."
+    return f'<p class="note">Every clip ratio is 0. {_esc(why)}</p>'
 
 
 def _summary(run_dir: Path, records: Sequence[dict[str, Any]], config: dict[str, Any]) -> str:
@@ -359,9 +395,8 @@ def render_report(run_dir: str | os.PathLike[str]) -> str:
         _section("loss", _plot_or_note(
             _lines(records, [("loss", "loss")], ylabel="loss", twin=("grad_norm", "grad norm")), "No loss logged.")),
         _section("kl", _plot_or_note(_lines(records, [("kl", "kl")], ylabel="KL"), no_kl)),
-        _section("clipping", _plot_or_note(_lines(records, [
-            ("clip_ratio/low_mean", "low (ratio < 1 - ε)"), ("clip_ratio/high_mean", "high (ratio > 1 + ε_high)"),
-            ("clip_ratio/region_mean", "either")], ylabel="fraction of tokens"), "No clip ratios logged.")),
+        _section("clipping", _plot_or_note(_lines(records, CLIP_KEYS, ylabel="fraction of tokens"),
+                                           "No clip ratios logged.") + _clip_note(records, config)),
         _section("entropy", _plot_or_note(_lines(records, [("entropy", "entropy")], ylabel="nats / token"),
                                           "No entropy logged.")),
         _section("lengths", _plot_or_note(_lines(records, [

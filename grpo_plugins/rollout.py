@@ -21,6 +21,7 @@ from torch import Tensor
 
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.config import GRPOConfig
+from grpo_plugins.console import phase
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.metrics import MetricsWriter, completion_metrics, reward_metrics
@@ -351,6 +352,8 @@ class RolloutMaker:
             next_prompt=share.next_prompt,
         )
         with self.guard.phase("log-probs", step_number):
+            if not (self.plan.on_policy and self.config.beta == 0.0):
+                phase(f"log-probs step {step_number}")
             self._add_logps(rollout, steps)
         return rollout
 
@@ -372,6 +375,7 @@ class RolloutMaker:
         acc = self.accelerator
         prompts, prompt_ids, rows = self.prompts_for(indices)
         columns = {n: [rows[i][n] for i in indices] for n in self.dataset.column_names if n != self.prompt_column}
+        phase(f"generating step {step_number}")
         t0 = time.perf_counter()
         with torch.no_grad():
             episodes = self.environment.run(prompts, prompt_ids, columns)
@@ -388,6 +392,7 @@ class RolloutMaker:
         truncated = episodes.is_truncated.to(acc.device).bool()  # (L,)
         columns = self._with_info(columns, episodes.info)
 
+        phase(f"scoring step {step_number}")
         t0 = time.perf_counter()
         local_rewards, texts = self._score(
             prompts, completion_ids, model_mask, columns, step_number, episodes.completions

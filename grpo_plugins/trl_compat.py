@@ -1,7 +1,9 @@
 """TRL 1.16 ``GRPOConfig`` keys in a grpo-plugins config: one table, key -> what happens to it.
 
 A TRL user brings their ``GRPOConfig`` (every key TRL 1.16 adds to transformers'
-``TrainingArguments``, plus the ``TrainingArguments`` keys a GRPO user sets). Each key is one
+``TrainingArguments``, plus the ``TrainingArguments`` keys a GRPO user sets), and the keys of TRL's
+command line (``ModelConfig``: ``model_name_or_path``, ``use_peft``, ``lora_r``, ...;
+``ScriptArguments``: ``dataset_name``, ...). Each key is one
 :class:`TrlKey` in :data:`TRL_KEYS`, with one of four statuses:
 
 * ``same`` -- a field of :class:`~grpo_plugins.config.GRPOConfig` with TRL's meaning (a few TRL
@@ -45,8 +47,9 @@ class TrlKey:
 
     Attributes:
         name: the key as TRL spells it.
-        source: ``GRPOConfig`` (TRL's own), ``TrainingArguments`` (transformers') or
-            ``GRPOTrainer`` (an argument of TRL's trainer that users look for in the config).
+        source: ``GRPOConfig`` (TRL's own), ``TrainingArguments`` (transformers'),
+            ``GRPOTrainer`` (an argument of TRL's trainer that users look for in the config), or
+            ``ModelConfig`` / ``ScriptArguments`` (the other argument groups of TRL's command line).
         status: ``same``, ``translated``, ``not_applicable`` or ``not_yet``.
         here: the docs column "here": where it goes or what to use instead.
         default: TRL 1.16's default (documentation; ``_UNSET`` for none).
@@ -56,7 +59,7 @@ class TrlKey:
     """
 
     name: str
-    source: Literal["GRPOConfig", "TrainingArguments", "GRPOTrainer"]
+    source: Literal["GRPOConfig", "TrainingArguments", "GRPOTrainer", "ModelConfig", "ScriptArguments"]
     status: Status
     here: str
     default: Any = _UNSET
@@ -316,9 +319,106 @@ def _logging_dir(value: Any, data: Mapping[str, Any]) -> Translation:
     return {}, "ignored: TensorBoard events go to output_dir/tensorboard"
 
 
+# -- TRL's command line: ModelConfig and ScriptArguments (`trl grpo --model_name_or_path ...`) -----
+
+#: TRL ModelConfig's LoRA defaults (r and lora_alpha are this project's defaults too).
+_TRL_LORA = {"lora_r": ("r", 16), "lora_alpha": ("lora_alpha", 32), "lora_dropout": ("lora_dropout", 0.05)}
+
+
+def _uses_lora(data: Mapping[str, Any]) -> bool:
+    return data.get("lora") is not None or bool(data.get("use_peft"))
+
+
+def _use_peft(value: Any, data: Mapping[str, Any]) -> Translation:
+    if not value:
+        if data.get("lora") is not None:
+            raise FieldError("use_peft", "use_peft: false, but the config sets lora:; give only lora: (null trains all weights)")
+        return {}, None
+    if data.get("lora") is not None:
+        return {}, None  # lora: already says how; the lora_* keys fill it in
+    # TRL's values for the keys not given (its lora_dropout is 0.05, this project's 0.0).
+    updates: dict[str, Any] = {f"lora.{field}": data.get(key, default) for key, (field, default) in _TRL_LORA.items()}
+    modules = data.get("lora_target_modules")
+    updates["lora.target_modules"] = modules if modules is not None else "all-linear"
+    shown = ", ".join(f"{k.removeprefix('lora.')}: {v}" for k, v in updates.items())
+    note = f"lora: {{{shown}}}"
+    if modules is None:
+        note += " (without lora_target_modules, TRL leaves the choice to peft's per-model default; here all-linear)"
+    return updates, note
+
+
+def _lora_key(name: str, field: str, default: Any) -> Callable[[Any, Mapping[str, Any]], Translation]:
+    """A ``lora_*`` key of TRL's ModelConfig: a field of ``lora:`` when LoRA is on, else no effect."""
+
+    def translate(value: Any, data: Mapping[str, Any]) -> Translation:
+        if value is None:
+            return {}, None
+        if not _uses_lora(data):
+            return {}, None if value == default else "has no effect without use_peft: true or lora: (as in TRL)"
+        return {f"lora.{field}": value}, f"lora.{field}: {value!r}"
+
+    return translate
+
+
+def _torch_dtype(value: Any, data: Mapping[str, Any]) -> Translation:
+    if value is None:
+        return {}, None
+    name = _DTYPES.get(str(value).removeprefix("torch."))
+    if name is None:
+        raise FieldError("torch_dtype", f"unknown dtype {value!r}; write dtype: auto, bfloat16, float16 or float32")
+    if "dtype" in data and data["dtype"] != name:
+        raise FieldError("torch_dtype", f"torch_dtype ({value}) and dtype ({data['dtype']}) disagree; give only dtype")
+    return {"dtype": name}, f"dtype: {name}"
+
+
+def _model_key(field: str, noop: Any = None) -> Callable[[Any, Mapping[str, Any]], Translation]:
+    """A ModelConfig key that is a field of ``model:`` (``model_name_or_path`` -> ``model.name_or_path``)."""
+
+    def translate(value: Any, data: Mapping[str, Any]) -> Translation:
+        if value is None or value == noop:
+            return {}, None
+        return {f"model.{field}": value}, f"model.{field}: {value!r}"
+
+    return translate
+
+
+def _dataset_name(value: Any, data: Mapping[str, Any]) -> Translation:
+    if value is None:
+        return {}, None
+    return {"dataset.path": value}, f"dataset.path: {value!r} (read with datasets.load_dataset, as in TRL)"
+
+
+def _dataset_key(field: str, default: Any) -> Callable[[Any, Mapping[str, Any]], Translation]:
+    """``dataset_config`` / ``dataset_train_split``: fields of ``dataset:`` when there is one."""
+
+    def translate(value: Any, data: Mapping[str, Any]) -> Translation:
+        if value is None or (value == default and data.get("dataset") is None and data.get("dataset_name") is None):
+            return {}, None
+        if data.get("dataset") is None and data.get("dataset_name") is None:
+            return {}, "has no effect without dataset_name or dataset: (as in TRL)"
+        return {f"dataset.{field}": value}, f"dataset.{field}: {value!r}"
+
+    return translate
+
+
+def _dataset_test_split(value: Any, data: Mapping[str, Any]) -> Translation:
+    """TRL evaluates on ``dataset_name``'s ``dataset_test_split`` when ``eval_strategy`` is not "no"."""
+    name = data.get("dataset_name")
+    if value is None or name is None or data.get("eval_strategy", "no") in ("no", None):
+        return {}, None
+    spec = {"path": name, "split": value}
+    if data.get("dataset_config") is not None:
+        spec["name"] = data["dataset_config"]
+    return {"eval_dataset": spec}, f"eval_dataset: {spec}"
+
+
+_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+           "fp16": "float16", "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
 # -- the table ---------------------------------------------------------------------------------
 
-_G, _T, _TR = "GRPOConfig", "TrainingArguments", "GRPOTrainer"
+_G, _T, _TR, _M, _S = "GRPOConfig", "TrainingArguments", "GRPOTrainer", "ModelConfig", "ScriptArguments"
 def _tools(value: Any, data: Mapping[str, Any]) -> Translation:
     """TRL's ``tools`` (the trainer's argument): here tools are named (registered ``tool``
     components), and the ``tool_calling`` environment runs them."""
@@ -485,6 +585,29 @@ TRL_KEYS: dict[str, TrlKey] = {
         _key("ddp_find_unused_parameters", _T, "not_applicable", "accelerate's DDP settings apply (accelerate config)", None, noop=lambda v: True),
         _key("deepspeed", _T, "not_applicable", "DeepSpeed is not used; for sharded training set `fsdp:` (FSDP2 through accelerate, docs/engine.md \"Several GPUs\"), for data parallel launch with accelerate or torchrun", None, noop=_is(None)),
         _key("fsdp_config", _T, "not_applicable", "set `fsdp:` here instead (its own settings, docs/engine.md \"Several GPUs\")", None, noop=_is(None, {})),
+        # ---- TRL's command line: ModelConfig ------------------------------------------------
+        _key("model_name_or_path", _M, "translated", "`model` (`model.name_or_path`: a local folder, a cached hub id, a .gguf file or builtin:NAME)", None, translate=_model_key("name_or_path")),
+        _key("model_revision", _M, "translated", "`model.revision`", "main", translate=_model_key("revision", noop="main")),
+        _key("torch_dtype", _M, "translated", "`dtype`", None, translate=_torch_dtype),
+        _key("attn_implementation", _M, "translated", "`model.attn_implementation`", None, translate=_model_key("attn_implementation")),
+        _key("use_peft", _M, "translated", "`lora:` (with TRL's LoRA defaults for the lora_* keys not given: r 16, lora_alpha 32, lora_dropout 0.05; target_modules all-linear)", False, translate=_use_peft),
+        _key("lora_r", _M, "translated", "`lora.r` (with use_peft or lora:)", 16, translate=_lora_key("lora_r", "r", 16)),
+        _key("lora_alpha", _M, "translated", "`lora.lora_alpha` (with use_peft or lora:)", 32, translate=_lora_key("lora_alpha", "lora_alpha", 32)),
+        _key("lora_dropout", _M, "translated", "`lora.lora_dropout` (with use_peft or lora:)", 0.05, translate=_lora_key("lora_dropout", "lora_dropout", 0.05)),
+        _key("lora_target_modules", _M, "translated", "`lora.target_modules` (with use_peft or lora:)", None, translate=_lora_key("lora_target_modules", "target_modules", None)),
+        _key("lora_modules_to_save", _M, "not_yet", "training whole modules beside the adapter is not supported yet; leave it unset", None, noop=_is(None)),
+        _key("lora_task_type", _M, "not_applicable", "always a causal LM here", "CAUSAL_LM", noop=_is("CAUSAL_LM")),
+        _key("use_rslora", _M, "not_yet", "rank-stabilised LoRA is not supported yet; the scale is lora_alpha / r", False, noop=_is(False)),
+        _key("use_dora", _M, "not_yet", "DoRA is not supported yet; use lora:", False, noop=_is(False)),
+        _key("bnb_4bit_quant_type", _M, "not_applicable", "load_in_4bit always quantises to NF4", "nf4", noop=_is("nf4")),
+        _key("use_bnb_nested_quant", _M, "not_yet", "nested (double) quantisation is not supported yet", False, noop=_is(False)),
+        # ---- TRL's command line: ScriptArguments ---------------------------------------------
+        _key("dataset_name", _S, "translated", "`dataset.path` (`dataset: {path: NAME}`; local files: `{path: json, data_files: FILE}`)", None, translate=_dataset_name),
+        _key("dataset_config", _S, "translated", "`dataset.name`", None, translate=_dataset_key("name", None)),
+        _key("dataset_train_split", _S, "translated", "`dataset.split`", "train", translate=_dataset_key("split", "train")),
+        _key("dataset_test_split", _S, "translated", "`eval_dataset: {path: dataset_name, split: ...}` (with eval_strategy: steps)", "test", translate=_dataset_test_split),
+        _key("dataset_streaming", _S, "not_applicable", "prompts are read into memory", False, noop=_is(False)),
+        _key("reward_funcs", _S, "not_applicable", "list the rewards under `rewards:` (registered names, or module:function)", None, noop=_is(None)),
     )
 }
 
@@ -590,7 +713,8 @@ def trl_table_markdown() -> str:
         "A TRL 1.16 `GRPOConfig` can be used as a grpo-plugins config: write its keys flat in the YAML",
         "file (or pass them to `Engine({...})`). Every key that TRL 1.16's `GRPOConfig` adds to",
         "transformers' `TrainingArguments`, and the `TrainingArguments` keys a GRPO user sets, is",
-        "handled in one of four ways:",
+        "handled in one of four ways; so are the keys of TRL's command line (`trl grpo`: `ModelConfig`'s",
+        "`model_name_or_path`, `use_peft`, `lora_r`, ... and `ScriptArguments`' `dataset_name`, ...):",
         "",
         "- **same**: a key of this project with TRL's meaning (a few TRL spellings of a value are",
         "  rewritten, e.g. `top_k: 0` means off, as `null` does here);",
@@ -622,7 +746,7 @@ def trl_table_markdown() -> str:
         "| TRL key | from | TRL default | status | here |",
         "|---|---|---|---|---|",
     ]
-    for source in ("GRPOConfig", "TrainingArguments", "GRPOTrainer"):
+    for source in ("GRPOConfig", "TrainingArguments", "GRPOTrainer", "ModelConfig", "ScriptArguments"):
         for k in TRL_KEYS.values():
             if k.source == source:
                 here = k.here.replace("|", "\\|")

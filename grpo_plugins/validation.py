@@ -14,7 +14,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,8 @@ from grpo_plugins.config import (
     GRPOConfig,
     RewardSpec,
     component_ref,
-    load_config,
+    config_data,
+    load_config_leniently,
 )
 from grpo_plugins.config_errors import validation_errors
 from grpo_plugins.errors import GRPOPluginsError
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigWarning",
     "check_config",
     "dataset_columns",
+    "describe_dataset",
     "required_arguments",
     "validate_config",
 ]
@@ -75,6 +77,7 @@ class ConfigCheck:
     rewards_from_task: bool = False
     plan: BatchPlan | None = None
     problems: list[tuple[str, str]] = field(default_factory=list)
+    source: str | None = None  # the config file, when there is one
 
     @property
     def ok(self) -> bool:
@@ -86,6 +89,7 @@ def validate_config(
     registry: Registry | None = None,
     *,
     num_processes: int | None = None,
+    overrides: Sequence[str] = (),
 ) -> GRPOConfig:
     """Check a config completely and return it (loaded, when given as a mapping or a path).
 
@@ -95,16 +99,25 @@ def validate_config(
             fresh one without ``config.disable_plugins`` when that is set.
         num_processes: for the batch plan; default ``config.num_processes``, then the
             ``WORLD_SIZE`` environment variable, then 1.
+        overrides: ``key=value`` strings as given to ``--set``.
 
     Raises:
         ConfigError: listing every problem with its dotted path. Questionable settings emit
             :class:`ConfigWarning` (and the batch planner's warnings).
     """
-    check = check_config(config, registry, num_processes=num_processes)
+    check = check_config(config, registry, num_processes=num_processes, overrides=overrides)
     if check.problems:
-        source = None if isinstance(config, (GRPOConfig, Mapping)) else os.fspath(config)
-        raise ConfigError(check.problems, source)
+        raise ConfigError(check.problems, check.source)
     return check.config
+
+
+#: Keys whose value the batch plan depends on: when one of them is invalid (left at its
+#: default to check the rest), the plan's verdict would be about the default, so it is skipped.
+BATCH_KEYS = frozenset({
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+    "num_generations", "num_processes", "num_iterations", "group_filter", "max_refill_rounds",
+    "train_batch_size", "gradient_accumulation",
+})
 
 
 def check_config(
@@ -112,14 +125,28 @@ def check_config(
     registry: Registry | None = None,
     *,
     num_processes: int | None = None,
+    overrides: Sequence[str] = (),
 ) -> ConfigCheck:
-    """Like :func:`validate_config`, but return what was found instead of raising on problems
-    (a config that does not even load still raises :class:`ConfigError`)."""
-    if not isinstance(config, GRPOConfig):
-        config = load_config(config)
+    """Like :func:`validate_config`, but return what was found instead of raising on problems.
+
+    Every independent problem is found in one pass: a key with a problem (unknown, a bad value,
+    a TRL key that cannot apply) is reported and left at its default while the components,
+    params, data and batch arithmetic are checked; problems that would only follow from that
+    default are not reported. A config that cannot be read (bad YAML) still raises
+    :class:`ConfigError`.
+    """
+    load_problems: list[tuple[str, str]] = []
+    dropped: set[str] = set()
+    source = None
+    if not isinstance(config, GRPOConfig) or overrides:
+        data, source = config_data(config, overrides)
+        loaded, load_problems, dropped = load_config_leniently(data)
+        if loaded is None:
+            raise ConfigError(load_problems, source)
+        config = loaded
     if registry is None:
         registry = registry_for(config.disable_plugins)
-    check = ConfigCheck(config=config, registry=registry)
+    check = ConfigCheck(config=config, registry=registry, source=source)
     for name, kind in COMPONENT_FIELDS.items():
         value = _component_value(config, name)
         if value is None:
@@ -135,11 +162,13 @@ def check_config(
     _check_data(check)
     _check_eval(check)
     _check_reward_columns(check)
-    try:
-        check.plan = plan_from_config(config, num_processes, registry)
-    except BatchPlanError as exc:
-        if (exc.field, str(exc)) not in check.problems:  # an unknown group_filter is reported once
-            check.problems.append((exc.field, str(exc)))
+    if not dropped & BATCH_KEYS:
+        try:
+            check.plan = plan_from_config(config, num_processes, registry)
+        except BatchPlanError as exc:
+            if (exc.field, str(exc)) not in check.problems:  # an unknown group_filter is reported once
+                check.problems.append((exc.field, str(exc)))
+    check.problems = load_problems + [p for p in check.problems if p[0].split(".")[0] not in dropped]
     _warn_questionable(config)
     return check
 
@@ -277,6 +306,33 @@ def _check_data(check: ConfigCheck) -> None:
                 check.problems.append((where, f"no such file: {name}"))
             elif _is_blank(name):
                 check.problems.append((where, f"the file is empty, so the run would have no prompts: {name}"))
+        _check_prompt_column(check, config.dataset, "dataset")
+
+
+def _check_prompt_column(check: ConfigCheck, spec: DatasetSpec, key: str) -> None:
+    """A local dataset whose columns can be read has the prompt column (``train`` would find
+    out only after loading the model)."""
+    columns = dataset_columns(spec)
+    if columns is None:
+        return
+    column = spec.prompt_column
+    if column not in columns:
+        close = [c for c in columns if c.lower() in ("prompt", "question", "query", "input", "instruction", "messages")]
+        hint = f"set {key}.prompt_column: {close[0]}" if close else f"set {key}.prompt_column to the column that holds the prompts"
+        check.problems.append(
+            (f"{key}.prompt_column", f"{describe_dataset(spec)} has no column '{column}' (its columns: {', '.join(columns)}); {hint}")
+        )
+    elif column != "prompt" and "prompt" in columns:
+        check.problems.append(
+            (f"{key}.prompt_column", f"{describe_dataset(spec)} has both '{column}' and 'prompt'; rename or drop one")
+        )
+
+
+def describe_dataset(spec: DatasetSpec) -> str:
+    """``dataset 'json' (train.jsonl)``."""
+    files = spec.data_files
+    shown = files if isinstance(files, str) else ", ".join(files) if isinstance(files, list) else None
+    return f"dataset '{spec.path}'" + (f" ({shown})" if shown else "")
 
 
 def eval_prompts_problem(config: GRPOConfig, registry: Registry | None = None) -> tuple[str, str] | None:
@@ -316,6 +372,8 @@ def _check_eval(check: ConfigCheck) -> None:
         where = "eval_dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
         if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
             check.problems.append((where, f"no such file: {name}"))
+    if spec is not None:
+        _check_prompt_column(check, spec, "eval_dataset")
 
 
 #: Arguments the engine always passes to a reward; any other required argument is a column.

@@ -208,7 +208,7 @@ def test_validate_reports_what_it_checked(tmp_path: Path, site: Path):
     assert "valid" in result.stdout
     assert "task: cli_task (cli-test-plugin)" in result.stdout
     assert "loss_type: grpo (grpo-plugins)" in result.stdout
-    assert "rewards (the task's defaults): cli_reward" in result.stdout
+    assert "rewards (task cli_task's defaults): cli_reward" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -230,6 +230,58 @@ def test_validate_rejects_malformed_configs_without_a_traceback(tmp_path: Path, 
     assert result.returncode == 2
     assert says in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_validate_lists_every_independent_problem_in_one_pass(tmp_path: Path, capsys):
+    """An unknown key and a TRL refusal no longer hide the component, param and batch problems."""
+    config = tmp_path / "typos.yaml"
+    config.write_text(
+        "task: arithmetic\nlearnin_rate: 1e-5\npush_to_hub: true\nloss_type: dapoo\n"
+        "rewards:\n  - {name: length, params: {maxlen: 3}}\nnum_generations: 3\nper_device_train_batch_size: 8\n"
+    )
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "5 problems" in err
+    paths = [line.split(":")[0].strip() for line in err.splitlines()[1:]]
+    assert paths == ["push_to_hub", "learnin_rate", "loss_type", "rewards.0.params.maxlen", "num_generations"]
+
+
+def test_validate_skips_the_batch_check_of_an_invalid_batch_key(tmp_path: Path, capsys):
+    """A bad per_device_train_batch_size is reported; the batch arithmetic of its default is not."""
+    config = tmp_path / "run.yaml"
+    config.write_text("task: arithmetic\nper_device_train_batch_size: eight\nnum_generations: 3\nloss_type: nope\n")
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "per_device_train_batch_size:" in err and "loss_type: unknown loss_type 'nope'" in err
+    assert "not divisible" not in err
+
+
+def test_validate_checks_the_prompt_column_of_a_local_dataset(tmp_path: Path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"dataset: {{path: json, data_files: {data}}}\nrewards: [correct_answer]\nloss_type: dapoo\n")
+    assert cli.main(["validate", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"dataset.prompt_column: dataset 'json' ({data}) has no column 'prompt' (its columns: question, answer); "
+        "set dataset.prompt_column: question"
+    ) in err
+    assert "loss_type: unknown loss_type 'dapoo'" in err  # in the same pass
+    # Named, it validates, and the summary names the data rather than the unused task.
+    assert cli.main(["validate", str(config), "--set", "dataset.prompt_column=question", "--set", "loss_type=dapo"]) == 0
+    out = capsys.readouterr().out
+    assert f"data: dataset 'json' ({data}), prompt column 'question'" in out
+    assert "task: arithmetic" not in out
+
+
+def test_validate_checks_the_eval_datasets_prompt_column(tmp_path: Path, capsys):
+    data = tmp_path / "eval.jsonl"
+    data.write_text('{"text": "1+1?"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(f"eval_dataset: {{path: json, data_files: {data}}}\n")
+    assert cli.main(["validate", str(config)]) == 2
+    assert "eval_dataset.prompt_column: dataset 'json'" in capsys.readouterr().err
 
 
 def test_validate_bad_yaml_and_missing_file(tmp_path: Path, capsys):
@@ -337,7 +389,77 @@ def test_train_validates_and_calls_the_engine(tmp_path: Path, fake_engine, train
     assert len(fake_engine) == 3
 
 
+def _engine_returning(monkeypatch: pytest.MonkeyPatch, outcome) -> None:
+    module = types.ModuleType("grpo_plugins.engine")
+    module.run_training = lambda config, *, resume=None: outcome(config)
+    monkeypatch.setitem(sys.modules, "grpo_plugins.engine", module)
+
+
+def test_train_ends_with_a_summary_of_the_run(tmp_path: Path, train_registry, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    # 8 logged steps: the first quarter is steps 1-2, the last steps 7-8.
+    (out / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward": s / 10, "rewards/r/mean": s / 20, "completions/mean_length": 40.0 - s}) + "\n"
+        for s in range(1, 9)
+    ))
+    checkpoint = out / "checkpoints" / "checkpoint-8"
+
+    def finished(config):
+        return types.SimpleNamespace(output_dir=out, global_step=8, checkpoint=checkpoint, history=[])
+
+    _engine_returning(monkeypatch, finished)
+    config = tmp_path / "run.yaml"
+    config.write_text("task: t\nnum_generations: 4\nper_device_train_batch_size: 4\n")
+    assert cli.main(["train", str(config), "--set", f"output_dir={out}"]) == 0
+    text = capsys.readouterr().out
+    assert "done: 8 steps in 0:00:0" in text
+    assert "first quarter (steps 1-2)" in text and "last quarter (steps 7-8)" in text
+    rows = {line.split()[0]: line.split()[-2:] for line in text.splitlines() if line.strip()}
+    assert rows["reward"] == ["0.150", "0.750"]
+    assert rows["r"] == ["0.075", "0.375"]
+    assert rows["completion"] == ["38.5", "32.5"]
+    assert f"checkpoint: {checkpoint}" in text and f"metrics: {out / 'metrics.jsonl'}" in text
+    assert f"grpo-plugins eval {config} --set output_dir={out}" in text
+    assert f"grpo-plugins report {out}" in text and f"grpo-plugins export {out} --out {out / 'exported'}" in text
+
+
+def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path: Path, train_registry, monkeypatch, capsys):
+    from grpo_plugins.engine import TrainingInterrupted
+
+    config = tmp_path / "run.yaml"
+    config.write_text("task: t\nnum_generations: 4\nper_device_train_batch_size: 4\n")
+    saved = tmp_path / "out" / "checkpoints" / "checkpoint-7"
+
+    def stopped(config):
+        raise TrainingInterrupted(7, saved, saved_now=True)
+
+    _engine_returning(monkeypatch, stopped)
+    assert cli.main(["train", str(config), "--set", f"output_dir={tmp_path / 'out'}"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted at step 7: saved {saved}" in err
+    assert f"continue with: grpo-plugins train {config} --set output_dir={tmp_path / 'out'} --resume" in err
+
+    older = tmp_path / "out" / "checkpoints" / "checkpoint-5"
+
+    def stopped_at_once(config):
+        raise TrainingInterrupted(7, older, saved_now=False)  # Ctrl-C twice: nothing saved at the stop
+
+    _engine_returning(monkeypatch, stopped_at_once)
+    assert cli.main(["train", str(config)]) == 130
+    err = capsys.readouterr().err
+    assert f"the last checkpoint is {older}; steps 6-7 are not in it and will be trained again" in err
+    assert "--resume" in err
+
+
 # -- error handling --------------------------------------------------------------------------------
+
+
+def test_set_with_a_space_shows_the_one_argument_spelling(capsys):
+    assert cli.main(["validate", "run.yaml", "--set", "learning_rate", "1e-5"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --set takes KEY=VALUE as one argument: write --set learning_rate=1e-5"
+    assert cli.main(["train", "run.yaml", "--set", "max_steps"]) == 2
+    assert "write --set max_steps=VALUE" in capsys.readouterr().err
 
 
 def test_debug_shows_the_traceback():

@@ -111,6 +111,13 @@ def test_exported_checkpoint_has_the_trained_policys_logits(
     os.umask(mask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
     assert stat.S_IMODE(gguf_file.stat().st_mode) == 0o666 & ~mask
+    # Every file inside too: safetensors writes model.safetensors as 0600 whatever the umask.
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir()} == {
+        p.name: oct(0o666 & ~mask) for p in out.iterdir()
+    }
+    # And the run's checkpoints, which save_pretrained writes the same way.
+    saved = tmp_path / "run" / "checkpoints" / "checkpoint-2" / "model"
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in saved.iterdir()} == {oct(0o666 & ~mask)}
 
     # The GGUF written alongside holds the same policy.
     from_gguf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32)

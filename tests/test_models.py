@@ -266,6 +266,16 @@ def test_gguf_file_is_converted_once_into_a_trainable_cached_checkpoint(tmp_path
     target = models._gguf_cache_dir(gguf_path)
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temporary left
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
+    # An ordinary folder: the umask's modes, not the private ones of mkdtemp and safetensors.
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~mask
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()} == {
+        p.name: 0o666 & ~mask for p in target.iterdir()
+    }
     base = model.get_base_model()
     assert getattr(base, "hf_quantizer", None) is None
     assert getattr(base.config, "quantization_config", None) is None

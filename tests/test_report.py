@@ -92,6 +92,41 @@ def test_report_has_every_section_and_plots_what_was_logged(run_dir: Path) -> No
     assert not re.search(r'(src|href)\s*=\s*["\']?(https?:)?//', page) and "@import" not in page
 
 
+def _section_of(page: str, section_id: str) -> str:
+    return re.search(rf'<section id="{section_id}".*?</section>', page, re.S).group(0)
+
+
+def test_step_time_parts_each_have_their_own_colour(run_dir: Path) -> None:
+    timing = _section_of(render_report(run_dir), "timing")
+    fills = re.findall(r'<g id="\w*PolyCollection_\d+">\s*<path[^>]*style="fill: ([^;"]+)', timing)
+    # generate, reward, log-probs, train, other (overhead)
+    assert len(fills) == 5 and len(set(fills)) == 5, fills
+
+
+def test_completion_length_legend_sits_above_the_plot(run_dir: Path) -> None:
+    """With a right-hand axis (the truncated fraction) the legend would cover lines or that axis."""
+    lengths = _section_of(render_report(run_dir), "lengths")
+    top = float(re.search(r'<g id="patch_2">\s*<path d="M [\d.]+ [\d.]+\s*L [\d.]+ [\d.]+\s*L [\d.]+ ([\d.]+)', lengths).group(1))
+    legend = lengths[lengths.index('id="legend_1"'):]
+    ys = [float(y) for y, label in re.findall(r'<text[^>]*y="([\d.]+)"[^>]*>([^<]*)<', legend)
+          if label in ("mean", "min", "max", "mean of terminated", "truncated fraction")][:5]  # then the axis label
+    assert len(ys) == 5 and max(ys) < top, (ys, top)
+
+
+def test_clip_panel_says_why_an_on_policy_run_clips_nothing(run_dir: Path) -> None:
+    records = [_record(s) | {"clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0} for s in range(1, 4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    clipping = _section_of(render_report(run_dir), "clipping")
+    assert "Every clip ratio is 0. This run is on-policy (num_iterations 1" in clipping
+    # Off-policy steps (two passes over each batch) that clipped nothing get the plain fact.
+    (run_dir / "config.yaml").write_text("num_iterations: 2\n")
+    clipping = _section_of(render_report(run_dir), "clipping")
+    assert "Every clip ratio is 0. No token&#x27;s importance ratio left the clip range" in clipping
+    # A run that clipped something gets no note.
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(_record(s)) + "\n" for s in range(1, 4)))
+    assert "Every clip ratio is 0" not in _section_of(render_report(run_dir), "clipping")
+
+
 def test_report_of_a_run_without_metrics_or_completions_notes_what_is_missing(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text("model: x\nbeta: 0.04\n")
     page = render_report(tmp_path)

@@ -109,8 +109,66 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model: dict, tmp_
     assert _stable(ma) == _stable(mb)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("during", ["scoring", "training"])
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_model: dict, tmp_path: Path, during: str) -> None:
+    """Ctrl-C while a rollout is scored saves the cycle's start; while a step trains, it finishes
+    that optimizer step and saves there. Either way the resumed run ends as an uninterrupted one."""
+    import torch
+
+    from grpo_plugins.checkpoint import latest_checkpoint
+    from grpo_plugins.metrics import read_metrics
+
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for name, out in (("straight", straight), ("stopped", stopped)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_config(tiny_model, out)))
+    proc = _start(tmp_path / "straight.json")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+
+    slow = {"TEST_REWARD_SLEEP": "1.5"} if during == "scoring" else {"TEST_TRAIN_SLEEP": "1.5"}
+    proc = subprocess.Popen([sys.executable, __file__, str(tmp_path / "stopped.json")], env={**os.environ, **slow},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = stopped / "checkpoints" / "checkpoint-2"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.5)  # into step 3's training, or the next cycle's scoring
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0 and "TrainingInterrupted" in output, output[-3000:]
+    saved = latest_checkpoint(stopped)
+    assert saved is not None and saved.name == "checkpoint-3", (saved, output[-3000:])  # saved at the Ctrl-C
+
+    proc = _start(tmp_path / "stopped.json", "--resume")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+    a, b = _final_weights(straight), _final_weights(stopped)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _stable(read_metrics(straight)) == _stable(read_metrics(stopped))
+
+
+def _slow_training() -> None:
+    """TEST_TRAIN_SLEEP: each micro-step sleeps first, so that a Ctrl-C lands while a step trains."""
+    seconds = float(os.environ.get("TEST_TRAIN_SLEEP", "0"))
+    if not seconds:
+        return
+    from grpo_plugins.update import PolicyUpdate
+
+    micro_step = PolicyUpdate.micro_step
+
+    def sleepy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return micro_step(self, *args, **kwargs)
+
+    PolicyUpdate.micro_step = sleepy  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
     from grpo_plugins.engine import Engine
+
+    _slow_training()
 
     config = json.loads(Path(sys.argv[1]).read_text())
     resume = "--resume" in sys.argv[2:]

@@ -213,3 +213,48 @@ def test_sync_ref_model_is_refused_with_lora_and_without_beta():
         load_config({"sync_ref_model": True})
     with pytest.raises(ConfigError, match="adapter disabled"):
         load_config({"sync_ref_model": True, "beta": 0.1, "lora": {"r": 4}})
+
+
+# -- TRL's command-line keys (ModelConfig, ScriptArguments) ---------------------------------------
+
+
+def test_trl_command_line_keys_map_to_model_lora_and_dataset(caplog):
+    with caplog.at_level(logging.INFO, logger="grpo_plugins.config"):
+        config = load_config({
+            "model_name_or_path": "some/model", "model_revision": "v2", "torch_dtype": "bfloat16",
+            "use_peft": True, "lora_r": 8, "lora_target_modules": ["q_proj", "v_proj"],
+            "dataset_name": "json", "dataset_train_split": "validation",
+        })
+    assert (config.model.name_or_path, config.model.revision, config.dtype) == ("some/model", "v2", "bfloat16")
+    # TRL's LoRA defaults for the keys not given: lora_alpha 32, lora_dropout 0.05.
+    assert (config.lora.r, config.lora.lora_alpha, config.lora.lora_dropout) == (8, 32, 0.05)
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert (config.dataset.path, config.dataset.split) == ("json", "validation")
+    assert "TRL key model_name_or_path: model.name_or_path: 'some/model'" in [r.getMessage() for r in caplog.records]
+
+
+def test_lora_keys_without_use_peft_change_nothing_as_in_trl(caplog):
+    with caplog.at_level(logging.INFO, logger="grpo_plugins.config"):
+        config = load_config({"lora_r": 8})
+    assert config.lora is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "TRL key lora_r: has no effect without use_peft: true or lora: (as in TRL)"
+    ]
+    # With lora: they fill it in; a key that disagrees with lora: is refused.
+    assert load_config({"lora": {"r": 4}, "lora_alpha": 16}).lora.lora_alpha == 16
+    with pytest.raises(ConfigError, match="lora_r.*give only one of them"):
+        load_config({"lora": {"r": 4}, "lora_r": 8})
+
+
+def test_use_peft_false_with_lora_is_refused():
+    with pytest.raises(ConfigError, match="use_peft: false, but the config sets lora:"):
+        load_config({"use_peft": False, "lora": {"r": 4}})
+
+
+def test_unsupported_trl_command_line_values_say_what_to_use():
+    with pytest.raises(ConfigError, match="use_dora.*DoRA is not supported yet"):
+        load_config({"use_dora": True})
+    with pytest.raises(ConfigError, match="reward_funcs.*rewards:"):
+        load_config({"reward_funcs": ["accuracy_reward"]})
+    # At TRL's defaults they are accepted and change nothing.
+    assert load_config({"use_dora": False, "lora_task_type": "CAUSAL_LM", "dataset_streaming": False}).lora is None

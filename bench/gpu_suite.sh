@@ -20,6 +20,10 @@
 #   example      the GPU example config as a user runs it: defaults, compiled LoRA layers, float16, QLoRA
 #   nonfinite    the cuDNN attention NaN check, the float16 gradient scaler's skip path, the
 #                non-finite-gradient diagnosis of the GPU example
+#   lengths      the training pass on completions of varied length, padded and grouped by length
+#                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
+#   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
+#                30 steps at the defaults (check_generators.py; the vllm cells need vLLM)
 #   all          every phase above whose requirements are met
 #
 # Environment (all optional):
@@ -36,8 +40,8 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite all"
+[ $# -gt 0 ] || { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
 done
@@ -220,15 +224,29 @@ phase_nonfinite() {
     --set save_steps=1000
 }
 
+phase_lengths() {
+  need_tokenizer
+  run lengths/7b "$PY" bench/bench_lengths.py --shape qwen2.5-7b --lora 16 --rows 64 --tokens 1024
+  run lengths/0.5b "$PY" bench/bench_lengths.py --shape qwen2.5-0.5b --lora 0 --rows 64 --tokens 1024 --warmup 3 --repeats 7
+}
+
+phase_release() {
+  need_tokenizer
+  local generators=(transformers static)
+  if have_vllm; then generators+=(vllm); else echo "=== release: the vllm cells are skipped (vLLM is not installed)"; fi
+  run release env VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" \
+    "$PY" bench/check_generators.py --out "$OUT_ROOT/release" --generators "${generators[@]}"
+}
+
 for phase in "$@"; do
   case $phase in
-    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite) "phase_$phase" ;;
+    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|release) "phase_$phase" ;;
     trl-vllm) if have_vllm; then phase_trl_vllm; else echo "=== trl-vllm: skipped (vLLM is not installed)"; fi ;;
     vllm) if have_vllm; then phase_vllm; else echo "=== vllm: skipped (vLLM is not installed)"; fi ;;
     all)
       phase_setup; phase_trl; phase_step; phase_generator; phase_decode; phase_memory; phase_unsloth
       if have_vllm; then phase_trl_vllm; phase_vllm; else echo "=== trl-vllm, vllm: skipped (vLLM is not installed)"; fi
-      phase_long; phase_example; phase_nonfinite ;;
+      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_release ;;
   esac
 done
 echo "=== results in $OUT_ROOT"

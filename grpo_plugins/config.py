@@ -277,7 +277,7 @@ class GRPOConfig(_Strict):
     )
     group_by_length: bool = Field(
         True,
-        description="Sort a micro-step's rows by length and split them where that saves padding (at most train_chunk_rows rows a pass), each pass cut to its own longest row: a training pass costs about its real tokens, not rows x the longest completion. Same loss and gradient up to float rounding. Off with top_entropy_quantile < 1 (its quantile is per pass).",
+        description="Sort a micro-step's rows by length and split them where that saves padding (at most train_chunk_rows rows a pass), each pass cut to its own longest row: a training pass costs about its real tokens, not rows x the longest completion. Same loss and gradient up to float rounding. Off with top_entropy_quantile < 1 (its quantile is per pass) and with fsdp (every process must make the same passes).",
     )
 
     # -- evaluation -----------------------------------------------------------------------------

@@ -140,8 +140,9 @@ class PolicyUpdate:
         completion = att[:, P:].sum(1)  # (B,)
         order, chunks = length_chunks(
             (lengths - completion).tolist(), completion.tolist(), cfg.train_chunk_rows,
-            # The quantile of top_entropy_quantile is taken over the rows of one pass.
-            split=cfg.group_by_length and cfg.top_entropy_quantile >= 1.0,
+            # The quantile of top_entropy_quantile is taken over the rows of one pass; FSDP's
+            # processes gather each layer together, so they must make the same number of passes.
+            split=cfg.group_by_length and cfg.top_entropy_quantile >= 1.0 and cfg.fsdp is None,
         )
         rows = torch.as_tensor(order, device=ids.device) if order != sorted(order) else None
         if rows is not None:  # longest first, so that each chunk is cut to its own length

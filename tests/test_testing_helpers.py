@@ -237,7 +237,7 @@ def test_wrong_method_signatures_are_listed_together() -> None:
     assert problems_of("loss_type", Confused) == [
         "per_token_loss() -> None cannot be called as per_token_loss(self, inputs: LossInputs) -> Tensor"
         " (too many positional arguments)",
-        "missing method: metrics(self, inputs: LossInputs) -> dict[str, Tensor]",
+        "missing method: metrics(self, inputs: LossInputs) -> dict[str, Tensor | RowExtremum]",
     ]
 
 

@@ -15,7 +15,7 @@ import torch
 import grpo_plugins
 from grpo_plugins.config import ComponentRef
 from grpo_plugins.kinds import ImportanceSampling, LossInputs, LossType
-from grpo_plugins.objective import LossMetrics, LossSettingsError, compute_loss
+from grpo_plugins.objective import LossMetrics, LossSettingsError, Objective, compute_loss
 from grpo_plugins.registry import UnknownComponentError, get_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,17 +130,19 @@ def test_settings_errors_are_clear():
         compute_loss(logp, old, adv, mask, sampling_per_token_logps=old, rollout_correction="nope")
 
 
-def test_loss_settings_of_a_config_build_its_components_and_feed_compute_loss():
+def test_the_objective_of_a_config_builds_its_components_and_feeds_compute_loss():
     from grpo_plugins.config import GRPOConfig
-    from grpo_plugins.objective import loss_settings
 
     config = GRPOConfig(loss_type="bnpo", epsilon_high=0.28, beta=0.01, max_completion_length=16)
-    settings = loss_settings(config)
-    assert type(settings["loss_type"]) is type(get_registry().build("loss_type", "bnpo"))
-    assert settings["epsilon_high"] == 0.28
+    objective = Objective.from_config(config)
+    assert type(objective.loss_type) is type(get_registry().build("loss_type", "bnpo"))
+    assert objective.resolved_epsilon_high == 0.28
     logp, old, adv, mask = batch()
-    loss, metrics = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, **settings)
+    loss, metrics = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, objective=objective)
     assert math.isfinite(loss.item()) and "kl" in metrics
+    keywords = dict(loss_type="bnpo", epsilon_high=0.28, beta=0.01, max_completion_length=16)
+    same, _ = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, **keywords)
+    assert torch.equal(loss, same)
 
 
 # -- metrics ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "compute_loss": "grpo_plugins.objective",
+    "Objective": "grpo_plugins.objective",
     "validate_config": "grpo_plugins.validation",
     "compute_advantages": "grpo_plugins.advantages",
     "Engine": "grpo_plugins.engine",
@@ -46,7 +47,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from grpo_plugins.advantages import compute_advantages
     from grpo_plugins.engine import Engine
-    from grpo_plugins.objective import compute_loss
+    from grpo_plugins.objective import Objective, compute_loss
     from grpo_plugins.validation import validate_config
 
 
@@ -61,6 +62,7 @@ __all__ = [
     "Engine",
     "GRPOConfig",
     "GRPOPluginsError",
+    "Objective",
     "Registry",
     "completion_text",
     "compute_advantages",

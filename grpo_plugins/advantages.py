@@ -18,8 +18,6 @@ from grpo_plugins.registry import Registry
 
 #: std's additive guard, as in TRL: A = (R - mean) / (std + STD_EPS).
 STD_EPS = 1e-4
-#: The boolean spellings of ``scale_rewards`` (TRL's): True is "group", False is "none".
-SCALE_REWARDS_ALIASES: dict[bool, str] = {True: "group", False: "none"}
 
 
 class AdvantageError(GRPOPluginsError, ValueError):
@@ -115,7 +113,7 @@ def compute_advantages(
     *,
     num_generations: int,
     reward_weights: Sequence[float] | Tensor | None = None,
-    scale_rewards: bool | str | Any = "group",
+    scale_rewards: str | Any = "group",
     multi_objective_aggregation: str = "sum_then_normalize",
     registry: Registry | None = None,
 ) -> Tensor:
@@ -126,8 +124,9 @@ def compute_advantages(
             ``num_generations`` consecutive rows (all processes' rows, gathered).
         num_generations: G, completions per prompt.
         reward_weights: K weights (default all 1.0).
-        scale_rewards: a ``reward_scaling`` component: "group" (True), "batch", "none" (False),
-            a plugin's name, ``{name, params}``, or a built component.
+        scale_rewards: a ``reward_scaling`` component: "group", "batch", "none", a plugin's
+            name, ``{name, params}``, or a built component. (The config's true / false are
+            read as "group" / "none" when the config loads.)
         multi_objective_aggregation: "sum_then_normalize" (weighted nansum, then the scaling)
             or "normalize_then_sum" (GDPO).
         registry: where to find the scaling (default: the process-wide registry).
@@ -151,8 +150,11 @@ def compute_advantages(
             f"unknown multi_objective_aggregation '{multi_objective_aggregation}'; "
             f"use one of {', '.join(AGGREGATIONS)}"
         )
-    if isinstance(scale_rewards, bool):
-        scale_rewards = SCALE_REWARDS_ALIASES[scale_rewards]
+    if isinstance(scale_rewards, bool):  # not a component: the config's spelling, which it resolves itself
+        raise AdvantageError(
+            f"scale_rewards takes a reward_scaling component such as 'group', 'batch' or 'none', not {scale_rewards}"
+            " (a config's true / false mean 'group' / 'none')"
+        )
     scaling = resolve_component("reward_scaling", scale_rewards, registry)
     weights = _weights(reward_weights, rewards_per_func)
     aggregate = AGGREGATIONS[multi_objective_aggregation]

@@ -52,7 +52,7 @@ from grpo_plugins.generators import build_generator
 from grpo_plugins.guards import NonFiniteError, RunGuard
 from grpo_plugins.heap import LongLivedObjects
 from grpo_plugins.metrics import MetricsWriter
-from grpo_plugins.objective import loss_settings
+from grpo_plugins.objective import Objective
 from grpo_plugins.registry import Registry, registry_for, resolve_component
 from grpo_plugins.rewards import reward_runner
 from grpo_plugins.rollout import (
@@ -299,7 +299,7 @@ class Engine:
             keep_sampling_logps=keeps_sampling_logps(cfg.vllm_importance_sampling_correction, self.generator),
         )
         self.update = PolicyUpdate(
-            cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, loss_settings(cfg, reg),
+            cfg, acc, self.plan, policy, self.trainable, self.optimizer, self.scheduler, Objective.from_config(cfg, reg),
             self.guard, self.master,
         )
         if cfg.eval_strategy == "steps":

@@ -1,10 +1,11 @@
 """The clipped policy-gradient objective of GRPO as a pure tensor function (docs/objective.md).
 
-:func:`compute_loss` wires together three components looked up in the registry by the names in
-its settings -- an importance-sampling level, a loss type and (when on) a rollout correction --
-plus the k3 KL term. It knows no component by name: the built-in ones live in
-``builtin_losses`` and are found exactly like a third party's. docs/objective.md has the
-formulas and how to write a component.
+:func:`compute_loss` wires together three components -- an importance-sampling level, a loss
+type and (when on) a rollout correction -- plus the k3 KL term. Its settings are one frozen
+:class:`Objective`, built once (components looked up in the registry by name then) and passed to
+every call. It knows no component by name: the built-in ones live in ``builtin_losses`` and are
+found exactly like a third party's. docs/objective.md has the formulas and how to write a
+component.
 
 NaN safety: log-probabilities are zeroed at masked positions before anything else, every
 denominator is clamped, and metrics are kept as global sums and counts (:class:`LossMetrics`),
@@ -13,15 +14,17 @@ so an all-masked micro-batch gives a loss of exactly 0, a zero gradient and fini
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import InitVar, dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from grpo_plugins.kinds import LossInputs, RowExtremum
-from grpo_plugins.registry import ComponentSpecError, Registry, get_registry, resolve_component
+from grpo_plugins.registry import ComponentSpecError, Registry, resolve_component
 
 if TYPE_CHECKING:
     from grpo_plugins.config import GRPOConfig
@@ -31,24 +34,86 @@ class LossSettingsError(ComponentSpecError):
     """A setting of :func:`compute_loss` is unknown, missing or inconsistent."""
 
 
-#: The settings :func:`compute_loss` accepts (seed names) and their defaults.
-DEFAULT_SETTINGS: dict[str, Any] = {
-    "loss_type": "dapo",
-    "epsilon": 0.2,
-    "epsilon_high": None,  # None: epsilon
-    "delta": None,
-    "beta": 0.0,
-    "importance_sampling_level": "token",
-    "max_completion_length": None,
-    "vllm_importance_sampling_correction": "auto",
-    "vllm_importance_sampling_cap": 2.0,
-    "rollout_correction": "token_truncate",
-    "use_bias_correction_kl": False,  # TRL 1.16's default is True; see docs/objective.md
-    "top_entropy_quantile": 1.0,
-    "off_policy_mask_threshold": None,
-    "entropy_coef": 0.0,
-    "registry": None,  # a Registry; None: the process-wide one
+#: The component settings of :class:`Objective` and the registry kind each one names.
+_COMPONENT_KINDS = {
+    "loss_type": "loss_type",
+    "importance_sampling_level": "importance_sampling",
+    "rollout_correction": "rollout_correction",
 }
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The settings of :func:`compute_loss`, resolved once (docs/objective.md): the defaults of
+    the loss live here and nowhere else.
+
+    Component fields take a registered name (or ``dist:name``), a ``{name, params}`` mapping or
+    ComponentRef, a component class or a built component; the constructor builds them from
+    ``registry`` (default: the process-wide one), so an Objective always holds built components.
+    Values are checked once, here; a micro-step derives a variant with
+    :func:`dataclasses.replace` (e.g. the adaptive ``entropy_coef``, or a row chunk's
+    :class:`~grpo_plugins.row_chunks.ChunkedReduction` as ``loss_type``), which only re-checks a
+    few numbers.
+    """
+
+    loss_type: Any = "dapo"  #: a LossType once built
+    importance_sampling_level: Any = "token"  #: an ImportanceSampling once built
+    rollout_correction: Any = "token_truncate"  #: a RolloutCorrection once built
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    delta: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    vllm_importance_sampling_correction: bool | Literal["auto"] = "auto"
+    vllm_importance_sampling_cap: float | None = 2.0  # None: no upper bound
+    use_bias_correction_kl: bool = False  # TRL 1.16's default is True; see docs/objective.md
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    entropy_coef: float = 0.0
+    registry: InitVar[Registry | None] = None
+
+    def __post_init__(self, registry: Registry | None) -> None:
+        for name, kind in _COMPONENT_KINDS.items():  # a built component is kept as it is
+            object.__setattr__(self, name, resolve_component(kind, getattr(self, name), registry))
+        for name in ("epsilon", "beta", "top_entropy_quantile", "entropy_coef"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("epsilon_high", "off_policy_mask_threshold"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise LossSettingsError(f"top_entropy_quantile must be in [0, 1] (got {self.top_entropy_quantile})")
+        setting = self.vllm_importance_sampling_correction
+        if not isinstance(setting, bool) and setting != "auto":
+            raise LossSettingsError(
+                f"vllm_importance_sampling_correction must be true, false or 'auto' (got {setting!r})"
+            )
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig, registry: Registry | None = None) -> Objective:
+        """The objective of a run config, its components built from ``registry`` (what the
+        engine builds once per run)."""
+        return cls(
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}, registry=registry
+        )
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> Objective:
+        """From :func:`compute_loss`'s keyword settings (and ``registry``): an unknown name is a
+        :class:`LossSettingsError` that suggests the closest one."""
+        names = [f.name for f in dataclasses.fields(cls)] + ["registry"]
+        unknown = [key for key in settings if key not in names]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise LossSettingsError(f"compute_loss got an unknown setting '{key}'{hint} Settings: {', '.join(names)}.")
+        return cls(**settings)
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        """The upper clip: ``epsilon_high``, or ``epsilon`` when that is None."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
 
 #: The metric compute_loss reports when the entropy bonus is on: the mean entropy over the tokens
 #: the bonus acts on (what adaptive entropy control measures).
@@ -59,58 +124,18 @@ IS_RATIO_PREFIX = "sampling/importance_sampling_ratio"
 LOGP_DIFFERENCE_PREFIX = "sampling/sampling_logp_difference"
 
 
-def loss_settings(config: GRPOConfig, registry: Registry | None = None) -> dict[str, Any]:
-    """The :func:`compute_loss` settings of a run config, its components built from ``registry``
-    (what the engine passes to every micro-step)."""
-    registry = registry if registry is not None else get_registry()
-    return {
-        "loss_type": resolve_component("loss_type", config.loss_type, registry),
-        "importance_sampling_level": resolve_component("importance_sampling", config.importance_sampling_level, registry),
-        "rollout_correction": resolve_component("rollout_correction", config.rollout_correction, registry),
-        "epsilon": config.epsilon,
-        "epsilon_high": config.resolved_epsilon_high,
-        "delta": config.delta,
-        "beta": config.beta,
-        "max_completion_length": config.max_completion_length,
-        "vllm_importance_sampling_correction": config.vllm_importance_sampling_correction,
-        "vllm_importance_sampling_cap": config.vllm_importance_sampling_cap,
-        "use_bias_correction_kl": config.use_bias_correction_kl,
-        "top_entropy_quantile": config.top_entropy_quantile,
-        "off_policy_mask_threshold": config.off_policy_mask_threshold,
-        "entropy_coef": config.entropy_coef,
-        "registry": registry,
-    }
-
-
-
-def _settings(settings: dict[str, Any]) -> dict[str, Any]:
-    unknown = [key for key in settings if key not in DEFAULT_SETTINGS]
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(key, DEFAULT_SETTINGS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise LossSettingsError(
-            f"compute_loss got an unknown setting '{key}'{hint} Settings: {', '.join(DEFAULT_SETTINGS)}."
-        )
-    return {**DEFAULT_SETTINGS, **settings}
-
-
 def _correction_enabled(setting: bool | str, sampling_per_token_logps: Tensor | None) -> bool:
     # "auto" corrects exactly when the sampler is not the trained policy; a caller says so by
     # passing the sampler's log-probs (under "auto" the engine keeps them only then; see
     # grpo_plugins.rollout.keeps_sampling_logps).
     if setting == "auto":
         return sampling_per_token_logps is not None
-    if not isinstance(setting, bool):
-        raise LossSettingsError(
-            f"vllm_importance_sampling_correction must be true, false or 'auto' (got {setting!r})"
-        )
     if setting and sampling_per_token_logps is None:
         raise LossSettingsError(
             "vllm_importance_sampling_correction is true but no sampling_per_token_logps were given;"
             " pass the sampler's log-probs or set it to 'auto' or false"
         )
-    return setting
+    return bool(setting)
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -315,6 +340,7 @@ def compute_loss(
     gradient_accumulation_steps: int = 1,
     entropies: Tensor | None = None,
     entropy_pool: Tensor | None = None,
+    objective: Objective | None = None,
     **settings: Any,
 ) -> tuple[Tensor, LossMetrics]:
     """The GRPO loss of one micro-batch and its metrics (docs/objective.md; TRL 1.x's definitions).
@@ -341,30 +367,29 @@ def compute_loss(
             for the entropy bonus).
         entropy_pool: the active tokens' entropies over which the ``top_entropy_quantile``
             threshold is taken (all processes'); None: this micro-batch's.
-        **settings: ``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``beta``,
-            ``importance_sampling_level``, ``max_completion_length``,
-            ``vllm_importance_sampling_correction``, ``vllm_importance_sampling_cap``,
-            ``rollout_correction``, ``use_bias_correction_kl``, ``top_entropy_quantile``,
-            ``off_policy_mask_threshold``, ``entropy_coef`` (see :data:`DEFAULT_SETTINGS`), and
-            ``registry``. Component settings take a name, ``{name, params}``, a ComponentRef
-            or a built component.
+        objective: the loss settings, resolved (:class:`Objective`); what a training loop
+            passes, built once.
+        **settings: instead of ``objective``, the fields of :class:`Objective` by keyword
+            (``loss_type``, ``epsilon``, ``beta``, ..., and ``registry``); they build an
+            Objective for this call, with the same defaults and checks.
 
     Returns:
         ``(loss, metrics)``: the scalar loss to backpropagate and a :class:`LossMetrics`.
     """
-    s = _settings(settings)
-    registry = s["registry"]
-    loss_type = resolve_component("loss_type", s["loss_type"], registry)
-    level = resolve_component("importance_sampling", s["importance_sampling_level"], registry)
+    if objective is None:
+        objective = Objective.from_settings(**settings)
+    elif settings:
+        raise LossSettingsError(
+            f"compute_loss got objective= and the settings {', '.join(settings)}; pass one or the other"
+            " (dataclasses.replace(objective, ...) changes a setting)"
+        )
+    loss_type, level = objective.loss_type, objective.importance_sampling_level
     if per_token_logps.dim() != 2 or completion_mask.shape != per_token_logps.shape:
         raise LossSettingsError(
             "per_token_logps and completion_mask must both be (B, T); got "
             f"{tuple(per_token_logps.shape)} and {tuple(completion_mask.shape)}"
         )
-    quantile = float(s["top_entropy_quantile"])
-    if not 0.0 <= quantile <= 1.0:
-        raise LossSettingsError(f"top_entropy_quantile must be in [0, 1] (got {quantile})")
-    entropy_coef = float(s["entropy_coef"])
+    quantile, entropy_coef = objective.top_entropy_quantile, objective.entropy_coef
     if (quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
         raise LossSettingsError(
             "top_entropy_quantile < 1 and entropy_coef != 0 need the per-token entropies: pass entropies=..."
@@ -384,17 +409,15 @@ def compute_loss(
     advantages = advantages.to(dtype)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1)
 
-    epsilon = float(s["epsilon"])
-    epsilon_high = epsilon if s["epsilon_high"] is None else float(s["epsilon_high"])
     if num_items_in_batch is not None:
         num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
 
     sampling = None if sampling_per_token_logps is None else clean(sampling_per_token_logps.detach())  # (B, T)
     correction, corrector = None, None
-    if _correction_enabled(s["vllm_importance_sampling_correction"], sampling_per_token_logps):
-        corrector = resolve_component("rollout_correction", s["rollout_correction"], registry)
+    if _correction_enabled(objective.vllm_importance_sampling_correction, sampling_per_token_logps):
+        corrector = objective.rollout_correction
         assert sampling is not None
-        cap = s["vllm_importance_sampling_cap"]
+        cap = objective.vllm_importance_sampling_cap
         cap = float("inf") if cap is None else float(cap)
         correction = corrector.weights(old, sampling, mask, cap).detach()  # (B, T) or (B, 1)
 
@@ -406,10 +429,10 @@ def compute_loss(
         log_ratio=log_ratio,
         log_weights=log_weights,
         ratio=torch.exp(log_weights),
-        epsilon_low=epsilon,
-        epsilon_high=epsilon_high,
-        delta=s["delta"],
-        max_completion_length=s["max_completion_length"],
+        epsilon_low=objective.epsilon,
+        epsilon_high=objective.resolved_epsilon_high,
+        delta=objective.delta,
+        max_completion_length=objective.max_completion_length,
         num_items_in_batch=num_items_in_batch,
         num_processes=num_processes,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -417,11 +440,11 @@ def compute_loss(
     )
     per_token = loss_type.per_token_loss(inputs)  # (B, T) or (B, 1)
 
-    if s["off_policy_mask_threshold"] is not None:
+    if objective.off_policy_mask_threshold is not None:
         # The sampler's log-probs whenever they are given (the engine keeps them whenever the
         # sampler is not the trained policy, e.g. vLLM), else the old policy's: TRL's choice.
         reference = old if sampling is None else sampling
-        per_token = per_token * off_policy_mask(advantages, logps, reference, mask, float(s["off_policy_mask_threshold"]))
+        per_token = per_token * off_policy_mask(advantages, logps, reference, mask, objective.off_policy_mask_threshold)
     entropy_mask = None
     if quantile < 1.0:
         assert entropies is not None
@@ -430,14 +453,14 @@ def compute_loss(
     if correction is not None and not getattr(loss_type, "applies_rollout_correction", False):
         per_token = per_token * correction
 
-    beta = float(s["beta"])
+    beta = objective.beta
     kl = None
     if beta != 0.0:
         if ref_per_token_logps is None:
             raise LossSettingsError("beta is not 0 but no ref_per_token_logps were given")
         ref_minus = clean(ref_per_token_logps.detach()) - logps  # (B, T)
         kl = torch.exp(ref_minus) - ref_minus - 1  # (B, T) k3 estimator
-        kl_term = kl * inputs.ratio if s["use_bias_correction_kl"] else kl  # DeepSeek-V3.2's unbiased KL
+        kl_term = kl * inputs.ratio if objective.use_bias_correction_kl else kl  # DeepSeek-V3.2's unbiased KL
         per_token = per_token + beta * kl_term
         kl = kl_term  # logged as TRL logs it (with the ratio when bias-corrected)
 

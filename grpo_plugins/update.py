@@ -10,6 +10,7 @@ optimizer and the scheduler, and returns the step's metrics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.compiled_layers import compile_stats
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
-from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics
+from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics, Objective
 from grpo_plugins.precision import MasterWeights
 from grpo_plugins.rollout import Policy, Rollout, trim_padding
 
@@ -98,8 +99,7 @@ class PolicyUpdate:
         trainable: its trainable parameters (what the gradient norm is clipped over).
         optimizer: the accelerate-prepared optimizer.
         scheduler: the learning-rate scheduler (stepped once per optimizer step).
-        loss_settings: the :func:`~grpo_plugins.objective.compute_loss` settings, components
-            built.
+        objective: the loss settings, components built (:meth:`Objective.from_config`).
         guard: the run's guard (NaN/inf checks of loss and gradients).
         master: float32 master copies of 16-bit trainable weights, which the optimizer steps
             instead of them (``precision``), or None.
@@ -114,13 +114,13 @@ class PolicyUpdate:
         trainable: list[torch.nn.Parameter],
         optimizer: Any,
         scheduler: Any,
-        loss_settings: dict[str, Any],
+        objective: Objective,
         guard: RunGuard,
         master: MasterWeights | None = None,
     ) -> None:
         self.config, self.accelerator, self.plan, self.policy = config, accelerator, plan, policy
         self.trainable, self.optimizer, self.scheduler = trainable, optimizer, scheduler
-        self.loss_settings, self.guard, self.master = loss_settings, guard, master
+        self.objective, self.guard, self.master = objective, guard, master
         self.entropy = EntropyControl(config)
 
     def micro_step(self, rollout: Rollout, step: Step, window_items: float, window: AccumulationWindow) -> None:
@@ -162,6 +162,9 @@ class PolicyUpdate:
         metrics: list[LossMetrics] = []
         ent_sum = torch.zeros((), device=acc.device)
         coef = self.entropy.coefficient()
+        objective = self.objective
+        if coef != objective.entropy_coef:  # adaptive entropy control's coefficient of this step
+            objective = dataclasses.replace(objective, entropy_coef=coef)
         # The entropy bonus needs the entropy's gradient; otherwise it is a (detached) metric.
         with_entropy: bool | str = "grad" if coef != 0.0 else True
         wants_entropies = self.entropy.enabled or cfg.top_entropy_quantile < 1.0
@@ -169,13 +172,13 @@ class PolicyUpdate:
             # DDP syncs gradients once, on the backward that ends the accumulation window.
             last = i == len(chunks) - 1
             sync = contextlib.nullcontext() if step.optimizer_update and last else acc.no_sync(policy.model)
-            settings = {**self.loss_settings, "entropy_coef": coef}
-            if len(chunks) > 1:
-                settings = {**settings, "loss_type": ChunkedReduction(settings["loss_type"], mask, advantages, c)}
             if len(chunks) > 1:  # the chunk cut to its own longest prompt and completion
                 chunk_ids, chunk_att, w = trim_padding(ids[c], att[c], t, policy.multiple, min_t=min(2, t))
+                chunk_objective = dataclasses.replace(
+                    objective, loss_type=ChunkedReduction(objective.loss_type, mask, advantages, c)
+                )
             else:
-                chunk_ids, chunk_att, w = ids, att, t
+                chunk_ids, chunk_att, w, chunk_objective = ids, att, t, objective
             chunk_mask = mask[c, :w]  # (b, w)
             # Backward inside layers() too: activation checkpointing recomputes the layers then.
             with sync, policy.layers():
@@ -197,7 +200,7 @@ class PolicyUpdate:
                         gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
                         entropies=entropy if wants_entropies else None,
                         entropy_pool=pool,
-                        **settings,
+                        objective=chunk_objective,
                     )
                 acc.backward(loss)
             assert entropy is not None

@@ -248,16 +248,11 @@ def _check_rewards(check: ConfigCheck) -> None:
             continue
         _check_params(check, component, spec.params, f"{path}.params")
         check.rewards.append((spec, component))
-    weights = config.reward_weights
-    if weights is not None and len(weights) != len(entries):
-        names = ", ".join(_entry_name(e) for e in entries)
-        check.problems.append(
-            (
-                "reward_weights",
-                f"has {len(weights)} values but the run has {len(entries)} rewards ({names}); "
-                "give one weight per reward, in the same order",
-            )
-        )
+    from grpo_plugins.rewards.resolution import reward_weights_mismatch
+
+    problem = reward_weights_mismatch(config.reward_weights, [_entry_name(e) for e in entries])
+    if problem is not None:
+        check.problems.append(("reward_weights", problem))
 
 
 def _check_group_filter(check: ConfigCheck) -> None:

@@ -78,10 +78,14 @@ def test_none_scaling_only_centres():
     assert adv([[0.0], [2.0], [10.0], [14.0]], 2, scale_rewards="none") == pytest.approx([-1.0, 1.0, -2.0, 2.0])
 
 
-def test_boolean_aliases():
+def test_boolean_scale_rewards_are_read_by_the_config_not_by_compute_advantages():
+    from grpo_plugins.config import GRPOConfig
+
     rows = [[0.0], [2.0], [10.0], [14.0]]
-    assert adv(rows, 2, scale_rewards=True) == adv(rows, 2, scale_rewards="group")
-    assert adv(rows, 2, scale_rewards=False) == adv(rows, 2, scale_rewards="none")
+    assert adv(rows, 2, scale_rewards=GRPOConfig(scale_rewards=True).scale_rewards) == adv(rows, 2, scale_rewards="group")
+    assert adv(rows, 2, scale_rewards=GRPOConfig(scale_rewards=False).scale_rewards) == adv(rows, 2, scale_rewards="none")
+    with pytest.raises(AdvantageError, match="'group', 'batch' or 'none', not True"):
+        adv(rows, 2, scale_rewards=True)
 
 
 # -- float64 re-derivation -----------------------------------------------------------------------

@@ -339,8 +339,8 @@ def test_an_unknown_top_level_key_that_is_a_components_param_says_where_it_goes(
 
 
 def test_an_off_policy_mask_threshold_of_0_is_accepted_and_reaches_the_loss():
-    from grpo_plugins.objective import loss_settings
+    from grpo_plugins.objective import Objective
 
     config = load_config({"off_policy_mask_threshold": 0.0})
     assert config.off_policy_mask_threshold == 0.0
-    assert loss_settings(config)["off_policy_mask_threshold"] == 0.0  # 0.0, not "off"
+    assert Objective.from_config(config).off_policy_mask_threshold == 0.0  # 0.0, not "off"

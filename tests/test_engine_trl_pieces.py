@@ -235,7 +235,7 @@ def _recording_compute_loss(monkeypatch) -> list[dict]:
 
     def recording(*args, **kwargs):
         calls.append({"sampling": kwargs.get("sampling_per_token_logps"),
-                      "correction": kwargs.get("vllm_importance_sampling_correction")})
+                      "correction": kwargs["objective"].vllm_importance_sampling_correction})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(objective, "compute_loss", recording)

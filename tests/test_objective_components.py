@@ -4,6 +4,7 @@ exact merging of LossMetrics across micro-batches and processes."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import grpo_plugins
 from grpo_plugins.config import ComponentRef
 from grpo_plugins.kinds import ImportanceSampling, LossInputs, LossType
-from grpo_plugins.objective import LossMetrics, LossSettingsError, compute_loss
+from grpo_plugins.objective import LossMetrics, LossSettingsError, Objective, compute_loss
 from grpo_plugins.registry import UnknownComponentError, get_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,17 +131,57 @@ def test_settings_errors_are_clear():
         compute_loss(logp, old, adv, mask, sampling_per_token_logps=old, rollout_correction="nope")
 
 
-def test_loss_settings_of_a_config_build_its_components_and_feed_compute_loss():
+def test_the_objective_of_a_config_builds_its_components_and_feeds_compute_loss():
     from grpo_plugins.config import GRPOConfig
-    from grpo_plugins.objective import loss_settings
 
     config = GRPOConfig(loss_type="bnpo", epsilon_high=0.28, beta=0.01, max_completion_length=16)
-    settings = loss_settings(config)
-    assert type(settings["loss_type"]) is type(get_registry().build("loss_type", "bnpo"))
-    assert settings["epsilon_high"] == 0.28
+    objective = Objective.from_config(config)
+    assert type(objective.loss_type) is type(get_registry().build("loss_type", "bnpo"))
+    assert objective.resolved_epsilon_high == 0.28
     logp, old, adv, mask = batch()
-    loss, metrics = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, **settings)
+    loss, metrics = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, objective=objective)
     assert math.isfinite(loss.item()) and "kl" in metrics
+    keywords = dict(loss_type="bnpo", epsilon_high=0.28, beta=0.01, max_completion_length=16)
+    same, _ = compute_loss(logp, old, adv, mask, ref_per_token_logps=old, **keywords)
+    assert torch.equal(loss, same)
+
+
+def test_an_objective_and_the_same_keyword_settings_give_the_same_loss_and_gradient():
+    logp, old, adv, mask = batch()
+    settings = dict(loss_type="sapo", importance_sampling_level="sequence", epsilon=0.1, beta=0.02,
+                    vllm_importance_sampling_correction=True, rollout_correction="sequence_truncate")
+    inputs = dict(ref_per_token_logps=old + 0.1, sampling_per_token_logps=old - 0.2)
+    results = []
+    for kw in (settings, {"objective": Objective(**settings)}):
+        x = logp.clone().requires_grad_()
+        loss, metrics = compute_loss(x, old, adv, mask, **inputs, **kw)
+        results.append((loss, torch.autograd.grad(loss, x)[0], dict(metrics)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][2] == results[1][2]
+    # No settings at all: Objective()'s defaults.
+    assert torch.equal(compute_loss(logp, old, adv, mask)[0], compute_loss(logp, old, adv, mask, objective=Objective())[0])
+
+
+def test_an_objective_holds_built_components_and_replace_keeps_them():
+    objective = Objective(loss_type={"name": "sapo", "params": {"temperature_pos": 0.5}})
+    assert type(objective.loss_type) is type(get_registry().build("loss_type", "sapo"))
+    assert objective.loss_type.params.temperature_pos == 0.5
+    assert type(objective.rollout_correction) is type(get_registry().build("rollout_correction", "token_truncate"))
+    variant = dataclasses.replace(objective, entropy_coef=0.01)
+    assert variant.loss_type is objective.loss_type and variant.entropy_coef == 0.01
+    assert objective.entropy_coef == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        objective.beta = 0.1  # type: ignore[misc]
+
+
+def test_an_objective_checks_its_values_once_and_refuses_settings_beside_it():
+    with pytest.raises(LossSettingsError, match=r"top_entropy_quantile must be in \[0, 1\]"):
+        Objective(top_entropy_quantile=1.5)
+    with pytest.raises(LossSettingsError, match="true, false or 'auto'"):
+        Objective(vllm_importance_sampling_correction="yes")  # type: ignore[arg-type]
+    logp, old, adv, mask = batch()
+    with pytest.raises(LossSettingsError, match="objective= and the settings beta"):
+        compute_loss(logp, old, adv, mask, objective=Objective(), beta=0.1)
 
 
 # -- metrics ---------------------------------------------------------------------------------

@@ -225,12 +225,23 @@ def test_reward_specs_for_task_defaults_and_weights():
     cfg = GRPOConfig(rewards=[])
     specs = reward_specs_for(cfg, Task())
     assert [(s.name, s.weight) for s in specs] == [("a", 1.0), ("b", 0.5)]
-    cfg = GRPOConfig(rewards=["x", {"name": "y", "weight": 3.0}], reward_weights=[0.1, 0.2])
-    assert [(s.name, s.weight) for s in reward_specs_for(cfg, Task())] == [("x", 0.1), ("y", 0.2)]
-    with pytest.raises(RewardConfigError, match="reward_weights has 1 values but the run has 2 rewards"):
-        reward_specs_for(GRPOConfig(rewards=["x", "y"], reward_weights=[1.0]))
     with pytest.raises(RewardConfigError, match="no rewards"):
         reward_specs_for(GRPOConfig(rewards=[], task=None))
+
+
+def test_a_runs_reward_weights_replace_each_rewards_own_weight(registry):
+    from grpo_plugins.rewards import reward_runner
+
+    rewards = [f"{__name__}:reward_len", {"name": f"{__name__}:reward_func", "weight": 3.0}]
+    with reward_runner(GRPOConfig(rewards=rewards), registry) as r:
+        assert r.weights == [1.0, 3.0]
+    config = GRPOConfig(rewards=rewards, reward_weights=[0.1, 0.2])
+    with reward_runner(config, registry) as r:
+        assert r.weights == [0.1, 0.2]
+    with reward_runner(config, registry, rewards=[reward_len, reward_func]) as r:  # callables given
+        assert r.weights == [0.1, 0.2]
+    with pytest.raises(RewardConfigError, match="reward_weights has 1 values but the run has 2 rewards"):
+        reward_runner(GRPOConfig(rewards=rewards, reward_weights=[1.0]), registry)
 
 
 def test_runner_weights(registry):

@@ -59,7 +59,7 @@ def as_spec(entry: str | RewardSpec | dict[str, Any], where: str) -> RewardSpec:
 
 def reward_specs_for(config: GRPOConfig, task: Any = None) -> list[RewardSpec]:
     """The run's rewards: ``config.rewards``, or the task's ``default_rewards`` when that is empty,
-    with ``config.reward_weights`` (when given) replacing each reward's own weight.
+    each with its own weight (``config.reward_weights`` replaces those in :class:`RewardRunner`).
 
     ``task`` may be a built task, a registry :class:`Component` of kind task, or None.
     """
@@ -72,10 +72,4 @@ def reward_specs_for(config: GRPOConfig, task: Any = None) -> list[RewardSpec]:
             "the run has no rewards: list some under 'rewards:' or choose a 'task:' with default rewards"
         )
     where = "rewards" if config.rewards else "task.default_rewards"
-    specs = [as_spec(e, f"{where}.{i}") for i, e in enumerate(entries)]
-    problem = reward_weights_mismatch(config.reward_weights, [s.name for s in specs])
-    if problem is not None:
-        raise RewardConfigError(f"reward_weights {problem}")
-    if config.reward_weights is not None:
-        specs = [s.model_copy(update={"weight": float(w)}) for s, w in zip(specs, config.reward_weights)]
-    return specs
+    return [as_spec(e, f"{where}.{i}") for i, e in enumerate(entries)]

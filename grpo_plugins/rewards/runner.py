@@ -108,7 +108,8 @@ class RewardRunner:
         specs: the rewards -- :class:`RewardSpec` objects, names, ``{name, weight, params,
             on_error, timeout, executor}`` mappings, or reward callables/objects themselves.
         registry: where names are resolved (default: the process-wide registry).
-        reward_weights: one weight per reward, replacing each spec's own weight.
+        reward_weights: one weight per reward, replacing each spec's own weight (the one
+            place a run's ``reward_weights`` are applied).
 
     Attributes:
         names: one name per reward (column k of the result), unique.
@@ -435,9 +436,9 @@ def reward_runner(
 ) -> RewardRunner:
     """The rewards of a run: the given callables (weighted by ``config.reward_weights``), else
     ``config.rewards``, else the task's default rewards (``task`` built, or looked up)."""
-    if rewards is not None:
-        return RewardRunner(list(rewards), registry, reward_weights=config.reward_weights)
-    ref = component_ref(config.task)
-    if task is None and ref is not None and not config.rewards:
-        task = registry.get("task", ref.name)  # only its default rewards
-    return RewardRunner(reward_specs_for(config, task), registry)
+    if rewards is None:
+        ref = component_ref(config.task)
+        if task is None and ref is not None and not config.rewards:
+            task = registry.get("task", ref.name)  # only its default rewards
+        rewards = reward_specs_for(config, task)
+    return RewardRunner(list(rewards), registry, reward_weights=config.reward_weights)

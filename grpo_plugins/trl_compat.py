@@ -36,23 +36,16 @@ __all__ = ["TRL_KEYS", "Status", "Translation", "TrlKey", "log_notes", "translat
 logger = logging.getLogger("grpo_plugins.config")
 
 
-#: TRL keys that are also fields here, so the table does not own them (their TRL values are
-#: still rewritten where TRL spells them differently).
-def _field_names() -> set[str]:
-    from grpo_plugins.config import GRPOConfig
-
-    return set(GRPOConfig.model_fields)
-
-
-def translate_trl_keys(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def translate_trl_keys(data: Mapping[str, Any], fields: set[str]) -> tuple[dict[str, Any], list[str]]:
     """Apply :data:`TRL_KEYS` to a config mapping: the mapping with TRL keys rewritten into this
-    project's form, and the INFO lines to log (``"key -> what"``).
+    project's form, and the INFO lines to log (``"key -> what"``). ``fields`` are the config's own
+    field names: a TRL key that is also one is kept (its value still rewritten where TRL spells it
+    differently).
 
     Raises:
         FieldError: a TRL key with a value that cannot apply here (the message says what to use
             instead), or two keys that disagree.
     """
-    fields = _field_names()
     out = dict(data)
     notes: list[str] = []
     updates: list[tuple[str, str, Any]] = []  # (TRL key, path, value)

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from grpo_plugins.config_errors import ConfigError, FieldError, validation_errors
-from grpo_plugins.config_model import CONFIG_SECTIONS, GRPOConfig
+from grpo_plugins.config_model import COMPONENT_FIELDS, CONFIG_SECTIONS, GRPOConfig
 from grpo_plugins.config_specs import (
     ComponentRef,
     DatasetSpec,
@@ -174,7 +174,6 @@ def component_param_hint(key: str) -> str | None:
     if "." in key:
         return None
     from grpo_plugins.registry import get_registry
-    from grpo_plugins.validation import COMPONENT_FIELDS
 
     try:
         components = get_registry().components()

@@ -394,3 +394,18 @@ CONFIG_SECTIONS: dict[str, str] = {
     "eval_dataset": "Evaluation",
     "output_dir": "Output and plugins",
 }
+
+
+#: Config fields that name a single component, and the kind each one names (``rewards``, a
+#: list, is checked on its own by grpo_plugins.validation; tools by the environment that takes
+#: them). The task comes first: its default rewards are checked when the config lists none.
+COMPONENT_FIELDS: dict[str, str] = {
+    "task": "task",
+    "loss_type": "loss_type",
+    "importance_sampling_level": "importance_sampling",
+    "scale_rewards": "reward_scaling",
+    "rollout_correction": "rollout_correction",
+    "generator": "generator",
+    "group_filter": "group_filter",
+    "environment": "environment",
+}

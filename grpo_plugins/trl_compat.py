@@ -125,7 +125,7 @@ def trl_table_markdown() -> str:
     lines = [
         "# TRL GRPOConfig keys",
         "",
-        "<!-- Generated from grpo_plugins/trl_compat.py by",
+        "<!-- Generated from the table in grpo_plugins/trl_keys.py by",
         "     `grpo-plugins trl-reference --output docs/trl.md`; do not edit by hand. -->",
         "",
         "A TRL 1.16 `GRPOConfig` can be used as a grpo-plugins config: write its keys flat in the YAML",

@@ -49,7 +49,7 @@ def render_config_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "<!-- Generated from the pydantic models in grpo_plugins/config.py by",
+        "<!-- Generated from the pydantic models in grpo_plugins/config_model.py and config_specs.py by",
         "     `grpo-plugins config-reference --output docs/config.md`; do not edit by hand. -->",
         "",
         "A run is configured by one YAML file of flat keys (as in TRL's `GRPOConfig`), overridable on",

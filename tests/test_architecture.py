@@ -19,7 +19,6 @@ OVERSIZED = {
     "grpo_plugins.objective": "being reworked around a frozen Objective settings object",
     "grpo_plugins.generators.static_decode": "one CUDA-graph decode loop; not yet split",
     "grpo_plugins.generators.vllm_backend": "one vLLM backend (colocated and server); not yet split",
-    "grpo_plugins.testing.contracts": "the contract test suite offered to plugin authors; not yet split",
 }
 
 BUILTIN_PACKAGES = ("builtin_rewards", "builtin_losses", "builtin_environments")

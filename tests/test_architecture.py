@@ -17,8 +17,6 @@ OVERSIZED = {
     "grpo_plugins.rollout": "being restructured together with engine and evaluation",
     "grpo_plugins.evaluation": "being restructured together with engine and rollout",
     "grpo_plugins.objective": "being reworked around a frozen Objective settings object",
-    "grpo_plugins.generators.static_decode": "one CUDA-graph decode loop; not yet split",
-    "grpo_plugins.generators.vllm_backend": "one vLLM backend (colocated and server); not yet split",
 }
 
 BUILTIN_PACKAGES = ("builtin_rewards", "builtin_losses", "builtin_environments")

@@ -12,10 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-
 EXIT_USAGE = 2
-
-
 EXIT_INTERRUPTED = 130
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from grpo_plugins.errors import GRPOPluginsError
+
 _MISSING = object()
 
 
@@ -25,6 +27,28 @@ class FieldError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class ConfigError(GRPOPluginsError, ValueError):
+    """An invalid run config: every problem found, each as (dotted path, message).
+
+    Args:
+        errors: ``(path, message)`` pairs; the path is like ``rewards.1.params.max_len``
+            ("" for the config as a whole).
+        source: the config file, when there is one.
+    """
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        lines = [f"{p}: {m}" if p else m for p, m in self.errors]
+        if len(lines) == 1:
+            return f"invalid config{where}: {lines[0]}"
+        return f"invalid config{where}, {len(lines)} problems:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 # A union member tag in a pydantic error location: 'str', 'list[str]', "literal['a']",

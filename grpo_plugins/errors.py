@@ -9,3 +9,7 @@ class GRPOPluginsError(Exception):
 
 class TrainingError(GRPOPluginsError):
     """The run cannot start or continue as configured."""
+
+
+class ModelLoadError(GRPOPluginsError):
+    """The model or tokenizer named in the config cannot be loaded."""

@@ -9,14 +9,10 @@ and the batch plan is computed. All problems are collected and raised together a
 
 from __future__ import annotations
 
-import csv
-import inspect
-import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -33,6 +29,16 @@ from grpo_plugins.config import (
     load_config_leniently,
 )
 from grpo_plugins.config_errors import validation_errors
+from grpo_plugins.config_model import COMPONENT_FIELDS
+from grpo_plugins.data_checks import (
+    PROVIDED_ARGUMENTS,
+    dataset_columns,
+    describe_dataset,
+    eval_prompts_problem,
+    is_blank_file,
+    is_local_path,
+    required_arguments,
+)
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.registry import Component, ComponentParamsError, Registry, registry_for
 
@@ -43,23 +49,10 @@ __all__ = [
     "check_config",
     "dataset_columns",
     "describe_dataset",
+    "eval_prompts_problem",
     "required_arguments",
     "validate_config",
 ]
-
-#: Config fields that name a single component, and the kind each one names (``rewards``, a
-#: list, is checked by _check_rewards; tools by the environment that takes them). The task comes
-#: first: its default rewards are checked when the config lists none.
-COMPONENT_FIELDS: dict[str, str] = {
-    "task": "task",
-    "loss_type": "loss_type",
-    "importance_sampling_level": "importance_sampling",
-    "scale_rewards": "reward_scaling",
-    "rollout_correction": "rollout_correction",
-    "generator": "generator",
-    "group_filter": "group_filter",
-    "environment": "environment",
-}
 
 
 class ConfigWarning(UserWarning):
@@ -202,7 +195,6 @@ def _check_params(check: ConfigCheck, component: Component, params: dict[str, An
             check.problems.append((f"{path}.{sub}" if sub else path, f"{msg} ({component.origin})"))
 
 
-
 def _resolve_reward(name: str, registry: Registry) -> Component:
     try:
         from grpo_plugins.rewards import resolve_reward
@@ -294,12 +286,12 @@ def _check_data(check: ConfigCheck) -> None:
         files = config.dataset.data_files
         listed = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else []
         for i, name in enumerate(listed):
-            if not _is_local_path(name) or any(c in name for c in "*?["):
+            if not is_local_path(name) or any(c in name for c in "*?["):
                 continue
             where = "dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
             if not os.path.exists(name):
                 check.problems.append((where, f"no such file: {name}"))
-            elif _is_blank(name):
+            elif is_blank_file(name):
                 check.problems.append((where, f"the file is empty, so the run would have no prompts: {name}"))
         _check_prompt_column(check, config.dataset, "dataset")
 
@@ -323,37 +315,6 @@ def _check_prompt_column(check: ConfigCheck, spec: DatasetSpec, key: str) -> Non
         )
 
 
-def describe_dataset(spec: DatasetSpec) -> str:
-    """``dataset 'json' (train.jsonl)``."""
-    files = spec.data_files
-    shown = files if isinstance(files, str) else ", ".join(files) if isinstance(files, list) else None
-    return f"dataset '{spec.path}'" + (f" ({shown})" if shown else "")
-
-
-def eval_prompts_problem(config: GRPOConfig, registry: Registry | None = None) -> tuple[str, str] | None:
-    """Why ``config`` has no prompts to evaluate on, as ``(field, message)``, or None: it has an
-    ``eval_dataset``, or trains on a task whose held-out split (``load_eval``) exists."""
-    from grpo_plugins.kinds import Task
-
-    if config.eval_dataset is not None:
-        return None
-    hint = "set eval_dataset (e.g. {path: eval.jsonl})"
-    if config.dataset is not None:
-        return ("eval_dataset", f"training uses dataset:, so no task's held-out split applies; {hint}")
-    ref = component_ref(config.task)
-    if ref is None:
-        return ("eval_dataset", f"the config has no task with a held-out split; {hint}")
-    registry = registry if registry is not None else registry_for(config.disable_plugins)
-    try:
-        obj = registry.get("task", ref.name).obj
-    except GRPOPluginsError:
-        return None  # reported where the task is resolved
-    method = getattr(obj, "load_eval", None)
-    if method is None or method is Task.load_eval:
-        return ("eval_dataset", f"task '{ref.name}' has no held-out split (load_eval); {hint}")
-    return None
-
-
 def _check_eval(check: ConfigCheck) -> None:
     config = check.config
     if config.eval_strategy == "steps":
@@ -365,90 +326,10 @@ def _check_eval(check: ConfigCheck) -> None:
     listed = [files] if isinstance(files, str) else list(files) if isinstance(files, list) else []
     for i, name in enumerate(listed):
         where = "eval_dataset.data_files" + (f".{i}" if isinstance(files, list) else "")
-        if _is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
+        if is_local_path(name) and not any(c in name for c in "*?[") and not os.path.exists(name):
             check.problems.append((where, f"no such file: {name}"))
     if spec is not None:
         _check_prompt_column(check, spec, "eval_dataset")
-
-
-#: Arguments the engine always passes to a reward; any other required argument is a column.
-PROVIDED_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
-
-
-def required_arguments(reward: Any) -> list[str]:
-    """The arguments a reward callable (a function, or a class whose instances are called)
-    cannot do without: named parameters without a default, in signature order."""
-    fn = reward.__call__ if inspect.isclass(reward) else reward
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins and some C callables: nothing to learn
-        return []
-    if inspect.isclass(reward) and params:
-        params = params[1:]  # self
-    return [
-        p.name
-        for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
-    ]
-
-
-def dataset_columns(spec: DatasetSpec) -> list[str] | None:
-    """The columns of a local dataset, read cheaply (the first JSON line, the CSV header, the
-    Parquet schema, a saved dataset's metadata); None when they cannot be known without
-    loading it (hub datasets, globs, other formats)."""
-    files = spec.data_files
-    if isinstance(files, dict):
-        files = files.get(spec.split)
-    first = files if isinstance(files, str) else files[0] if isinstance(files, list) and files else None
-    try:
-        if first is None:
-            return _saved_dataset_columns(Path(spec.path).expanduser(), spec.split)
-        path = Path(first).expanduser()
-        if any(c in first for c in "*?[") or not path.is_file():
-            return None
-        if spec.path == "json":
-            return _json_columns(path)
-        if spec.path == "csv":
-            with path.open(newline="", encoding="utf-8") as fh:
-                return next(csv.reader(fh), None)
-        if spec.path == "parquet":
-            import pyarrow.parquet
-
-            return list(pyarrow.parquet.read_schema(path).names)
-    except (OSError, ValueError, ImportError):
-        return None
-    return None
-
-
-def _json_columns(path: Path) -> list[str] | None:
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # not JSON lines: a JSON document over several lines
-                if isinstance(row, dict):
-                    return list(row)
-                break
-    if path.stat().st_size > 16 * 2**20:  # a big JSON document: too slow to parse for a check
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if isinstance(data, list) and data and isinstance(data[0], dict):
-        return list(data[0])
-    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        return list(data)
-    return None
-
-
-def _saved_dataset_columns(path: Path, split: str) -> list[str] | None:
-    if (path / "dataset_dict.json").is_file():
-        path = path / split
-    info = path / "dataset_info.json"
-    if not info.is_file():
-        return None
-    features = json.loads(info.read_text(encoding="utf-8")).get("features")
-    return list(features) if isinstance(features, dict) else None
 
 
 def _check_reward_columns(check: ConfigCheck) -> None:
@@ -476,22 +357,6 @@ def _check_reward_columns(check: ConfigCheck) -> None:
             )
 
 
-def _is_blank(name: str) -> bool:
-    """A data file with nothing but white space (the loaders fail on it with no clear message)."""
-    try:
-        with open(name, "rb") as fh:
-            return not fh.read(1 << 16).strip() and not fh.read(1)
-    except OSError:
-        return False
-
-
-def _is_local_path(name: str) -> bool:
-    """Looks like a file system path rather than a hub id or URL."""
-    return "://" not in name and (
-        name.startswith(("/", "./", "../", "~")) or name.endswith((".gguf", ".json", ".jsonl", ".csv", ".parquet"))
-    )
-
-
 def _check_model(check: ConfigCheck) -> None:
     """The model (and a local tokenizer) can be loaded as train loads them: a path that exists, a
     built-in whose file is installed, or a hub id that is in the local Hugging Face cache."""
@@ -502,7 +367,7 @@ def _check_model(check: ConfigCheck) -> None:
         name, path, revision = model, "model", None
     else:
         name, path, revision = model.name_or_path, "model.name_or_path", model.revision
-        if model.tokenizer is not None and _is_local_path(model.tokenizer) and not os.path.exists(os.path.expanduser(model.tokenizer)):
+        if model.tokenizer is not None and is_local_path(model.tokenizer) and not os.path.exists(os.path.expanduser(model.tokenizer)):
             check.problems.append(("model.tokenizer", f"no such file or directory: {model.tokenizer}"))
     if name is not None:
         problem = model_source_problem(name, revision)

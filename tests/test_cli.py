@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_plugins import cli
+from grpo_plugins.cli import output as cli_output
 from grpo_plugins.registry import Registry, set_registry
 from plugin_dists import make_distribution
 
@@ -515,7 +516,7 @@ def test_train_shows_the_runs_own_info_notes_on_stderr(capsys) -> None:
     log = logging.getLogger("grpo_plugins")
     saved = (list(log.handlers), log.level)
     try:
-        cli._show_info_logs()
+        cli_output._show_info_logs()
         logging.getLogger("grpo_plugins.models").info("converting x into a trainable checkpoint")
         logging.getLogger("transformers.other").info("not ours")
         assert capsys.readouterr().err.splitlines()[-1] == "grpo-plugins: converting x into a trainable checkpoint"

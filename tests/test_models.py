@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_plugins import models
+from grpo_plugins import gguf_import, models
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.models import (
     ModelLoadError,
@@ -178,7 +178,7 @@ def test_converted_gguf_checkpoint_is_reused(tmp_path: Path, monkeypatch) -> Non
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("GRPO_PLUGINS_CACHE", str(tmp_path / "cache"))
-    target = models._gguf_cache_dir(gguf)
+    target = gguf_import._gguf_cache_dir(gguf)
     assert target.parent == tmp_path / "cache" / "gguf" and target.name.startswith("m-")
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
@@ -196,8 +196,8 @@ def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path: Path, monkeypatch
         path.parent.mkdir()
         path.write_bytes(data)
     os.utime(second, ns=(1_000_000_000, 1_000_000_000))
-    assert models._gguf_cache_dir(first) == models._gguf_cache_dir(second)
-    assert models._gguf_cache_dir(other) != models._gguf_cache_dir(first)
+    assert gguf_import._gguf_cache_dir(first) == gguf_import._gguf_cache_dir(second)
+    assert gguf_import._gguf_cache_dir(other) != gguf_import._gguf_cache_dir(first)
 
 
 def _write_tiny_gguf(path: Path, hidden: int = 16, ff: int = 32, heads: int = 2, kv: int = 1) -> Path:
@@ -263,7 +263,7 @@ def test_gguf_file_is_converted_once_into_a_trainable_cached_checkpoint(tmp_path
     gguf_path = _write_tiny_gguf(tmp_path / "tiny.gguf")
     model, tokenizer = load_model(str(gguf_path), dtype="float32", lora={"r": 2})
 
-    target = models._gguf_cache_dir(gguf_path)
+    target = gguf_import._gguf_cache_dir(gguf_path)
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temporary left
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
     # An ordinary folder: the umask's modes, not the private ones of mkdtemp and safetensors.

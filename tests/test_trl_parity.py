@@ -1,4 +1,4 @@
-"""TRL 1.16 GRPOConfig keys in a grpo-plugins config (grpo_plugins/trl_compat.py, docs/trl.md)."""
+"""TRL 1.16 GRPOConfig keys in a grpo-plugins config (grpo_plugins/trl_keys.py and trl_compat.py, docs/trl.md)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from grpo_plugins.generators.vllm_backend import (
     SEED_LIMIT,
     VLLMGenerator,
     VLLMGeneratorParams,
-    _group_repeats,
+    group_repeats,
     policy_weights,
 )
 from grpo_plugins.kinds import SamplingSettings
@@ -353,9 +353,9 @@ def test_groups_of_identical_prompts_become_one_request_with_n_samples(fake_vllm
 
 
 def test_group_repeats() -> None:
-    assert _group_repeats([[1], [1], [2], [2]]) == ([[1], [2]], 2)
-    assert _group_repeats([[1], [1], [2]]) == ([[1], [1], [2]], 1)
-    assert _group_repeats([[1], [2]]) == ([[1], [2]], 1)
+    assert group_repeats([[1], [1], [2], [2]]) == ([[1], [2]], 2)
+    assert group_repeats([[1], [1], [2]]) == ([[1], [1], [2]], 1)
+    assert group_repeats([[1], [2]]) == ([[1], [2]], 1)
 
 
 def test_outputs_become_a_generation_output(fake_vllm, tiny_model: dict) -> None:

@@ -28,19 +28,24 @@ vllm are imported inside functions.
 
 from __future__ import annotations
 
-import copy
-import inspect
 import os
 import random
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from grpo_plugins.generators import GeneratorUnavailableError
+from grpo_plugins.generators.vllm_outputs import (
+    group_repeats,
+    sampled_logprobs,
+)
+from grpo_plugins.generators.vllm_params import SEED_LIMIT, VLLMGeneratorParams
+from grpo_plugins.generators.vllm_runtime import (
+    barrier,
+    import_vllm,
+    process_rank,
+    reload_takes_iterator,
+    rng_preserved,
+)
 from grpo_plugins.generators.vllm_server import (
     TRANSPORTS,
     ServerClient,
@@ -50,290 +55,24 @@ from grpo_plugins.generators.vllm_server import (
     reset_prefix_cache,
     served_model,
 )
+from grpo_plugins.generators.vllm_weights import (
+    policy_weight_metadata,
+    policy_weights,
+    tied_names,
+    write_engine_checkpoint,
+)
 from grpo_plugins.kinds import GenerationOutput, Generator, SamplingSettings
 
-if TYPE_CHECKING:
-    from torch import Tensor
-
-#: vLLM keeps per-request seeds in an int64 array (``SamplingStates.seeds`` of its model runner
-#: V2, the default for dense models in 0.26), so a seed of 2**63 or more raises OverflowError.
-SEED_LIMIT = 2**63 - 1
-
-
-class VLLMGeneratorParams(BaseModel):
-    """Parameters of the ``vllm`` generator (engine construction, weight sync, sleep mode)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    mode: Literal["colocate", "server"] = Field(
-        "colocate",
-        description="colocate: an engine in each training process. server: generation by a separate "
-        "`vllm serve` (other GPUs or another machine), weights sent to it after each step (docs/vllm.md).",
-    )
-    server_host: str = Field("127.0.0.1", description="mode server: host of the vLLM server.")
-    server_port: int = Field(8000, ge=1, le=65535, description="mode server: HTTP port of the vLLM server.")
-    server_model: str | None = Field(
-        None, description="mode server: the served model name to request; None: the server's first (/v1/models)."
-    )
-    server_timeout: float = Field(
-        240.0, gt=0, description="mode server: seconds to wait for the server's /health at start-up, and for each request."
-    )
-    server_weight_transfer: Literal["nccl", "disk"] = Field(
-        "nccl",
-        description="mode server: how weights reach the server. nccl: broadcast over NCCL (vLLM's weight-transfer "
-        "endpoints; the server on other GPUs). disk: a safetensors file in server_weight_dir that the server "
-        "reloads (same machine, also the same GPU).",
-    )
-    server_group_host: str | None = Field(
-        None,
-        description="mode server, nccl: this machine's address the server's workers connect to (the trainer hosts "
-        "the NCCL rendezvous); None: the local address that routes to server_host.",
-    )
-    server_group_port: int = Field(
-        51216, ge=1, le=65535, description="mode server, nccl: port of the NCCL rendezvous, on the trainer's machine."
-    )
-    server_weight_dir: str | None = Field(
-        None, description="mode server, disk: folder the server can read; None: a temporary folder on this machine."
-    )
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU memory share of the colocated engine.")
-    max_model_len: int | None = Field(None, ge=1, description="Context length; None: vLLM's default for the model.")
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, less memory).")
-    logprobs_mode: str | None = Field(
-        "processed_logprobs",
-        description="What the returned log-probs mean (vLLM >= 0.10.2). processed_logprobs: after "
-        "temperature, penalties and top-k/top-p/min-p truncation, renormalised over the kept tokens, "
-        "i.e. the distribution actually sampled from; with truncation on they differ from the "
-        "trainer's log-probs, which are over the full vocabulary (TRL makes the same choice). "
-        "None: the engine's default (raw_logprobs, before any processing).",
-    )
-    sync_weights: bool = Field(True, description="Load the policy's weights into the engine after each optimizer step.")
-    weight_sync: Literal["auto", "reload_weights", "load_weights"] = Field(
-        "auto",
-        description="How weights reach the engine. reload_weights: the worker's "
-        "reload_weights(weights_iterator=...); load_weights: apply_model(model.load_weights); "
-        "auto: reload_weights where the installed vLLM takes an iterator there, else load_weights.",
-    )
-    enable_sleep_mode: bool = Field(
-        False,
-        description="Put the engine to sleep after each generation (KV cache freed, weights freed or "
-        "offloaded to CPU) and wake it for the next, leaving its GPU memory to the training passes.",
-    )
-    sleep_level: Literal[1, 2] | None = Field(
-        None,
-        description="1: weights offloaded to CPU, 2: weights discarded (reloaded by the sync at wake-up). "
-        "None: 2 with sync_weights, else 1.",
-    )
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for vllm.LLM.")
-
-    @model_validator(mode="after")
-    def _check(self) -> VLLMGeneratorParams:
-        if self.mode == "server" and self.enable_sleep_mode:
-            raise ValueError(
-                "enable_sleep_mode is for mode: colocate (a server's memory is its own); set it to false"
-            )
-        if self.sleep_level == 2 and not self.sync_weights:
-            raise ValueError("sleep_level 2 discards the engine's weights, so it needs sync_weights: true")
-        return self
-
-
-def _configure_environment() -> None:
-    """Environment vLLM reads when it builds the engine; a user's own setting wins."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: colocated
-    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ and not _importable("flashinfer"):
-        # vLLM's top-k/top-p sampler defaults to flashinfer's and the engine fails to build
-        # without it; 0 selects vLLM's own sampler.
-        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-
-
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except Exception:  # a broken install counts as absent: vLLM would fail on it as well
-        return False
-    return True
-
-
-def _import_vllm() -> Any:
-    _configure_environment()
-    try:
-        import vllm
-    except ImportError as exc:
-        raise GeneratorUnavailableError(
-            "the vllm generator (fast_inference: true) needs vLLM, which is not installed here: "
-            "pip install 'grpo-plugins[vllm]' on a GPU machine, or set fast_inference: false / "
-            "generator: transformers"
-        ) from exc
-    return vllm
-
-
-def _reload_takes_iterator() -> bool:
-    """Whether the installed vLLM's workers accept ``reload_weights(weights_iterator=...)``
-    (older ones only reload from disk)."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    try:
-        return "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def _policy_entries(model: Any) -> Iterator[tuple[str, Tensor, Any]]:
-    """(state-dict name, tensor, LoRA layer whose delta is still to be added, or None) of
-    ``model``; peft's adapter tensors are skipped."""
-    if not hasattr(model, "get_base_model"):
-        for name, tensor in model.state_dict().items():
-            yield name, tensor, None
-        return
-    base = model.get_base_model()
-    lora_layers = {
-        f"{module_name}.base_layer.weight": module
-        for module_name, module in base.named_modules()
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
-    }
-    for name, tensor in base.state_dict().items():
-        if "lora_" in name or ".original_module." in name:
-            continue
-        layer = lora_layers.get(name)
-        if layer is not None and (getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False)):
-            layer = None
-        yield name, tensor, layer
-
-
-def policy_weights(model: Any) -> Iterator[tuple[str, Tensor]]:
-    """(name, tensor) pairs of ``model`` in transformers naming, produced lazily.
-
-    For a peft model each LoRA-wrapped weight is yielded as ``base + delta`` computed out of
-    place (the model is never merged and unmerged, which would drift low-precision base weights
-    a little at every sync); adapter tensors are skipped and ``base_layer`` /
-    ``modules_to_save`` names mapped back to the base model's.
-    """
-    import torch
-
-    for name, tensor, layer in _policy_entries(model):
-        if layer is not None:
-            with torch.no_grad():
-                for adapter in layer.active_adapters:
-                    if adapter in getattr(layer, "lora_A", {}):
-                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-        yield _base_name(name), tensor.detach()
-
-
-def policy_weight_metadata(model: Any) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype name, shape) of each pair :func:`policy_weights` yields, in its order,
-    without computing anything (a merged LoRA weight has its base weight's dtype and shape)."""
-    return [
-        (_base_name(name), str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
-        for name, tensor, _ in _policy_entries(model)
-    ]
-
-
-def _base_name(name: str) -> str:
-    """The base model's name of a peft-wrapped state-dict entry."""
-    return name.replace(".base_layer", "").replace(".modules_to_save.default", "")
-
-
-def _tied_names(model: Any) -> set[str]:
-    """State-dict names whose tensor is one seen earlier under another name (tied weights such
-    as lm_head = embed_tokens). Read from the model's own tensors, whose addresses are stable."""
-    first: set[tuple[int, int, tuple[int, ...]]] = set()
-    tied: set[str] = set()
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in first:
-            tied.add(_base_name(name))
-        first.add(key)
-    return tied
-
-
-def write_engine_checkpoint(policy: Any, tokenizer: Any, directory: str) -> None:
-    """Write the policy as a checkpoint vLLM can start from: ``model.safetensors`` with the
-    names :func:`policy_weights` yields (tied weights once), the base model's config (with its
-    ``architectures``) and generation config, and the tokenizer. The tensors are gathered in
-    CPU memory (one copy of the model) before the file is written."""
-    from safetensors.torch import save_file
-
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    tied = _tied_names(base)  # safetensors refuses tensors that share storage
-    tensors = {name: tensor.to("cpu").contiguous() for name, tensor in policy_weights(policy) if name not in tied}
-    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(base.config)
-    # vLLM picks its model class by `architectures`, which a model built with from_config lacks.
-    config.architectures = getattr(config, "architectures", None) or [type(base).__name__]
-    config.save_pretrained(directory)
-    if getattr(base, "generation_config", None) is not None:
-        base.generation_config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-
-
-def _group_repeats(prompt_ids: list[list[int]]) -> tuple[list[list[int]], int]:
-    """(unique prompts, n) when the prompts are runs of equal length n of identical prompts
-    (GRPO's groups), else (prompts, 1)."""
-    runs: list[list[int]] = []
-    sizes: list[int] = []
-    for ids in prompt_ids:
-        if runs and runs[-1] == ids:
-            sizes[-1] += 1
-        else:
-            runs.append(list(ids))
-            sizes.append(1)
-    if sizes and len(set(sizes)) == 1 and sizes[0] > 1:
-        return runs, sizes[0]
-    return [list(p) for p in prompt_ids], 1
-
-
-def _sampled_logprob(entry: Any, token: int) -> float:
-    value = entry[token]
-    return float(value.logprob if hasattr(value, "logprob") else value)
-
-
-def sampled_logprobs(container: Any, tokens: list[int]) -> list[float]:
-    """The log-prob of each sampled token from a completion's ``logprobs``: vLLM's
-    ``FlatLogprobs`` (flat lists with per-position ranges) or a list of per-position dicts."""
-    if hasattr(container, "start_indices"):  # FlatLogprobs: read its lists, build no dicts
-        ids, values, starts, ends = container.token_ids, container.logprobs, container.start_indices, container.end_indices
-        out = []
-        for i, t in enumerate(tokens):
-            j = next((j for j in range(starts[i], ends[i]) if ids[j] == t), None)
-            if j is None:
-                raise KeyError(f"vLLM returned no log-prob for the sampled token {t} at position {i}")
-            out.append(float(values[j]))
-        return out
-    return [_sampled_logprob(container[i], t) for i, t in enumerate(tokens)]
-
-
-@contextmanager
-def _rng_preserved() -> Iterator[None]:
-    """Restore the global random, numpy and torch (CPU and CUDA) RNG states on exit."""
-    import numpy as np
-    import torch
-
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    # This process's own GPU only: touching the others would create a CUDA context on each.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
-def _barrier() -> None:
-    import torch
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
-def _process_rank() -> int:
-    import torch
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
+__all__ = [
+    "SEED_LIMIT",
+    "VLLMGenerator",
+    "VLLMGeneratorParams",
+    "group_repeats",
+    "policy_weight_metadata",
+    "policy_weights",
+    "sampled_logprobs",
+    "write_engine_checkpoint",
+]
 
 
 class VLLMGenerator(Generator):
@@ -370,16 +109,16 @@ class VLLMGenerator(Generator):
         if self.params.mode == "server":
             self._setup_server(model)
             return
-        self._vllm = _import_vllm()
+        self._vllm = import_vllm()
         from grpo_plugins.generators.common import unwrap_model
 
         self._policy = unwrap_model(model)
-        with _rng_preserved():  # vLLM seeds random, numpy and torch globally when it starts
+        with rng_preserved():  # vLLM seeds random, numpy and torch globally when it starts
             self.llm = self._vllm.LLM(**self.engine_arguments(self._policy))
         self._sync_method = (
             self.params.weight_sync
             if self.params.weight_sync != "auto"
-            else ("reload_weights" if _reload_takes_iterator() else "load_weights")
+            else ("reload_weights" if reload_takes_iterator() else "load_weights")
         )
         if self.params.sync_weights and self._tmpdir is None:
             # (An engine started from the checkpoint written just now already holds these weights.)
@@ -516,7 +255,7 @@ class VLLMGenerator(Generator):
         check_tokenizer(self.server, self.served_model, self.tokenizer)
         self._policy = unwrap_model(model)
         if p.sync_weights:
-            if _process_rank() == 0:
+            if process_rank() == 0:
                 self._transport = TRANSPORTS[p.server_weight_transfer](p)
                 self._transport.connect(self.server)
             # The server started from some checkpoint, not necessarily the policy's weights.
@@ -530,12 +269,12 @@ class VLLMGenerator(Generator):
         start = time.perf_counter()
         if self._transport is not None:
             base = self._policy.get_base_model() if hasattr(self._policy, "get_base_model") else self._policy
-            tied = _tied_names(base)
+            tied = tied_names(base)
             metadata = [m for m in policy_weight_metadata(self._policy) if m[0] not in tied]
             weights = ((n, t) for n, t in policy_weights(self._policy) if n not in tied)
             self._transport.send(self.server, weights, metadata)
             reset_prefix_cache(self.server)
-        _barrier()
+        barrier()
         self.stats["syncs"] += 1
         self.stats["sync_seconds"] += time.perf_counter() - start
 
@@ -576,7 +315,7 @@ class VLLMGenerator(Generator):
         streams, and bounded so that the last seed still fits vLLM's int64 seed array."""
         if self.sampling.seed is None:
             return None
-        rng = random.Random(f"{self.sampling.seed}/{_process_rank()}/{self.calls}")  # str: sha512, stable
+        rng = random.Random(f"{self.sampling.seed}/{process_rank()}/{self.calls}")  # str: sha512, stable
         return rng.randrange(0, SEED_LIMIT - samples)
 
     def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
@@ -584,7 +323,7 @@ class VLLMGenerator(Generator):
             raise RuntimeError("VLLMGenerator.generate called before setup")
         if self._asleep:
             self._wake()
-        prompts, n = _group_repeats(prompt_ids)
+        prompts, n = group_repeats(prompt_ids)
         base = self.seed_base(len(prompts) * n)
 
         def seed(i: int) -> int | None:

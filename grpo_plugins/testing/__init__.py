@@ -11,7 +11,8 @@
 * :mod:`~grpo_plugins.testing.contracts`: :func:`check_component` and :func:`check_plugin`
   check components against the interface of their kind and raise
   :class:`ComponentContractError` listing everything that is wrong (docs/plugins.md, "Testing a
-  plugin").
+  plugin"); what each kind implements is in :mod:`~grpo_plugins.testing.interfaces`, what each
+  kind's behaviour check runs in :mod:`~grpo_plugins.testing.behaviour_checks`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""The parts of a Llama-style decoder that the static decode loop drives (:func:`check_supported`
+says why a model is not supported), and :class:`MergedLayer`: copies of a layer's projections
+with LoRA merged in and q/k/v (and gate/up) fused, for decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.generators.common import base_model
+
+#: model_type values whose decoder layers this loop reproduces exactly.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+class UnsupportedModelError(GRPOPluginsError):
+    """The static decode loop cannot run this model (architecture or feature not supported)."""
+
+
+@dataclass
+class DecoderParts:
+    """The submodules of a Llama-style causal LM that the decode loop calls."""
+
+    embed: Any
+    layers: list[Any]
+    norm: Any
+    rotary: Any
+    lm_head: Any
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    vocab_size: int
+    sliding_window: int | None
+
+
+def check_supported(model: Any) -> DecoderParts:
+    """The decoder parts of ``model``; raises :class:`UnsupportedModelError` saying why not."""
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"generator 'static' supports model types {sorted(SUPPORTED_MODEL_TYPES)}, not "
+            f"'{model_type}'; use generator: transformers"
+        )
+    inner = getattr(base, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, n) for n in needed):
+        raise UnsupportedModelError(
+            f"generator 'static': the {model_type} model lacks model.{{{', '.join(needed)}}}; "
+            "use generator: transformers"
+        )
+    lm_head = base.get_output_embeddings()
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError(
+            "generator 'static' does not support logit soft-capping; use generator: transformers"
+        )
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    window = None
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        layer_types = getattr(config, "layer_types", None)
+        if model_type == "mistral" or (layer_types and "sliding_attention" in layer_types):
+            window = int(config.sliding_window)
+    first_attn = inner.layers[0].self_attn
+    return DecoderParts(
+        embed=inner.embed_tokens,
+        layers=list(inner.layers),
+        norm=inner.norm,
+        rotary=inner.rotary_emb,
+        lm_head=lm_head,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        scaling=float(getattr(first_attn, "scaling", head_dim**-0.5)),
+        vocab_size=lm_head.weight.shape[0] if hasattr(lm_head, "weight") else config.vocab_size,
+        sliding_window=window,
+    )
+
+
+def _is_lora(module: Any) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+
+
+def _mergeable(module: Any) -> bool:
+    """Whether ``module`` is a plain or peft LoRA linear layer whose weight is an ordinary
+    floating-point tensor (not quantised) and whose LoRA delta is exactly ``get_delta_weight``
+    (no DoRA, no LoRA bias)."""
+    base = module.get_base_layer() if _is_lora(module) else module
+    weight = getattr(base, "weight", None)
+    if not isinstance(base, torch.nn.Linear) or weight is None or not weight.is_floating_point():
+        return False
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor):  # e.g. bitsandbytes' Params4bit
+        return False
+    if _is_lora(module):
+        for name in module.active_adapters:
+            if module.use_dora.get(name, False) or getattr(module, "lora_bias", {}).get(name, False):
+                return False
+    return True
+
+
+class FusedLinear(torch.nn.Module):
+    """A linear layer over a copy of one or more projections' weights, concatenated along the
+    output dimension, with each source's active LoRA delta merged in (``W + scaling * B @ A``,
+    rounded once to the model's dtype). :meth:`refresh` re-reads the sources (after optimizer
+    steps); the copy keeps its address, so a captured graph sees the new values."""
+
+    def __init__(self, sources: list[Any]) -> None:
+        super().__init__()
+        bases = [m.get_base_layer() if _is_lora(m) else m for m in sources]
+        w0 = bases[0].weight
+        self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
+        self.sources = list(sources)  # a plain list: not submodules of this view
+        self.register_buffer("weight", torch.empty(sum(self.sizes), w0.shape[1], dtype=w0.dtype, device=w0.device))
+        has_bias = any(b.bias is not None for b in bases)
+        self.register_buffer("bias", torch.zeros(sum(self.sizes), dtype=w0.dtype, device=w0.device) if has_bias else None)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        row = 0
+        for module, n in zip(self.sources, self.sizes):
+            base = module.get_base_layer() if _is_lora(module) else module
+            target = self.weight[row : row + n]
+            delta = None
+            if _is_lora(module) and not module.disable_adapters and not module.merged:
+                for name in module.active_adapters:
+                    if name in module.lora_A:
+                        d = module.get_delta_weight(name).float()
+                        delta = d if delta is None else delta + d
+            if delta is None:
+                target.copy_(base.weight)
+            else:
+                target.copy_(base.weight.float() + delta)
+            if self.bias is not None:
+                if base.bias is None:
+                    self.bias[row : row + n].zero_()
+                else:
+                    self.bias[row : row + n].copy_(base.bias)
+            row += n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _MergedAttention(torch.nn.Module):
+    def __init__(self, attn: Any) -> None:
+        super().__init__()
+        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_sizes = self.qkv_proj.sizes
+        self.o_proj = FusedLinear([attn.o_proj])
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+
+class _MergedMLP(torch.nn.Module):
+    def __init__(self, mlp: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = FusedLinear([mlp.down_proj])
+        self.act_fn = mlp.act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class MergedLayer(torch.nn.Module):
+    """What the decode loop reads of one decoder layer, with the projections replaced by
+    :class:`FusedLinear` copies (q/k/v fused, gate/up fused, LoRA merged); the norms are the
+    layer's own modules."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.self_attn = _MergedAttention(layer.self_attn)
+        self.mlp = _MergedMLP(layer.mlp)
+
+    def refresh(self) -> None:
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.refresh()
+
+
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def merged_layers_supported(parts: "DecoderParts") -> str | None:
+    """None if every layer can be decoded from merged, fused copies; else the reason why not."""
+    for layer in parts.layers:
+        for owner_name, names in _PROJECTIONS:
+            owner = getattr(layer, owner_name, None)
+            for name in names:
+                module = getattr(owner, name, None)
+                if module is None or not _mergeable(module):
+                    return f"{owner_name}.{name} is not a plain or LoRA linear layer over a floating-point weight"
+        if not hasattr(layer.mlp, "act_fn"):
+            return "the MLP has no act_fn"
+    return None
+
+
+def has_lora(parts: "DecoderParts") -> bool:
+    """Whether any decoder layer carries a peft LoRA layer."""
+    return any(_is_lora(m) for layer in parts.layers for m in layer.modules())

@@ -1,0 +1,249 @@
+"""The fixed-shape pieces of the static decode loop: sampling from logits, the prompt pass
+(:func:`prefill`) and one decode step over the static KV cache (:class:`DecodeState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from grpo_plugins.generators.static_layers import DecoderParts
+from grpo_plugins.kinds import SamplingSettings
+
+
+def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings) -> torch.Tensor:
+    """Apply transformers' logits processors in ``generate``'s order: repetition penalty,
+    temperature, top-k, top-p, min-p. ``logits`` (B, V) float32; ``seen`` (B, V) bool marks the
+    tokens of prompt and completion so far (needed only with a repetition penalty)."""
+    neg_inf = float("-inf")
+    if s.repetition_penalty != 1.0 and seen is not None:
+        penalised = torch.where(logits < 0, logits * s.repetition_penalty, logits / s.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if s.temperature != 1.0:
+        logits = logits / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1.0 - s.top_p)
+        drop_sorted[:, -1] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if s.min_p is not None and s.min_p > 0:
+        probs = logits.softmax(dim=-1)
+        top = probs.amax(dim=-1, keepdim=True)
+        drop = probs < s.min_p * top
+        drop = drop.scatter(1, probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(drop, neg_inf)
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from the processed distribution.
+
+    Returns the tokens (B,) and their log-probabilities under the distribution actually sampled
+    from (after penalty, temperature and filters), (B,) float32. Sampling is the Gumbel-max trick
+    (``argmax(log p - log E)``, ``E ~ Exp(1)``), which needs no host sync and captures in a graph.
+    """
+    logp_all = process_logits(logits, seen, s).log_softmax(dim=-1)  # (B, V)
+    noise = torch.empty_like(logp_all).exponential_()
+    tokens = (logp_all - noise.log()).argmax(dim=-1)  # (B,)
+    return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _embed(parts: DecoderParts, ids: torch.Tensor) -> torch.Tensor:
+    # ``forward`` skips module hooks: gradient checkpointing registers one on the embedding that
+    # calls requires_grad_(), which torch.compile cannot trace and generation does not need.
+    return parts.embed.forward(ids)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: DecoderParts):
+    """Projections with RoPE for hidden states ``h`` (B, Q, H) -> q (B, Hq, Q, D), k/v (B, Hkv, Q, D)."""
+    attn = layer.self_attn
+    B, Q, _ = h.shape
+    if hasattr(attn, "qkv_proj"):  # a MergedLayer: one product for q, k and v
+        q, k, v = attn.qkv_proj(h).split(attn.qkv_sizes, dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q = q.view(B, Q, parts.num_heads, parts.head_dim)
+    k = k.view(B, Q, parts.num_kv_heads, parts.head_dim)
+    v = v.view(B, Q, parts.num_kv_heads, parts.head_dim)
+    if getattr(attn, "q_norm", None) is not None:  # qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, Q, D)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
+
+
+def prefill(
+    parts: DecoderParts,
+    input_ids: torch.Tensor,
+    key_valid: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+) -> torch.Tensor:
+    """Run the left-padded prompts ``input_ids`` (B, P) through the model, write their keys and
+    values into the per-layer caches ``k_cache``/``v_cache`` (each (B, Hkv, S, D)) at positions
+    [0, P), and return the float32 logits of the last position (B, V)."""
+    B, P = input_ids.shape
+    h = _embed(parts, input_ids)  # (B, P, H)
+    cos, sin = parts.rotary(h, positions)  # (B, P, D)
+    causal = torch.ones(P, P, dtype=torch.bool, device=h.device).tril()
+    # Padding queries may see only themselves: never a fully masked row (NaN), never read later.
+    mask = (causal & key_valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=h.device)
+    mask = mask[:, None]  # (B, 1, P, P)
+    groups = parts.num_heads // parts.num_kv_heads
+    for i, layer in enumerate(parts.layers):
+        x = layer.input_layernorm(h)
+        q, k, v = _qkv(layer, x, cos, sin, parts)
+        k_cache[i][:, :, :P] = k
+        v_cache[i][:, :, :P] = v
+        try:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=parts.scaling, enable_gqa=groups > 1)
+        except TypeError:  # torch < 2.5 has no enable_gqa; the prompt is short, so expand here
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=parts.scaling)
+        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, P, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    last = parts.norm(h[:, -1:])  # (B, 1, H)
+    return parts.lm_head(last)[:, 0].float()
+
+
+@dataclass
+class DecodeState:
+    """The fixed-address buffers one decode graph reads and writes (B rows, S cache positions,
+    T completion tokens)."""
+
+    # One tensor per layer, not one (L, ...) tensor: the compiler updates a whole graph input in
+    # place, but a write into a view of one would copy the entire cache every step.
+    k_cache: list[torch.Tensor]  # L x (B, Hkv, S, D)
+    v_cache: list[torch.Tensor]  # L x (B, Hkv, S, D)
+    key_valid: torch.Tensor  # (B, S) bool: not a prompt pad
+    slots: torch.Tensor  # (S,) long: 0..S-1
+    token: torch.Tensor  # (B,) long: the last sampled token, fed to the next step
+    position: torch.Tensor  # (B,) long: its RoPE position
+    cur: torch.Tensor  # () long: its cache index
+    step: torch.Tensor  # () long: the output column of the next token
+    done: torch.Tensor  # (B,) bool: finished (EOS seen, or a padding row)
+    seen: torch.Tensor | None  # (B, V) bool: tokens present so far (repetition penalty only)
+    eos: torch.Tensor  # (E,) long
+    out_tokens: torch.Tensor  # (B, T) long
+    out_logps: torch.Tensor  # (B, T) float32
+
+    @staticmethod
+    def allocate(
+        parts: DecoderParts,
+        B: int,
+        S: int,
+        T: int,
+        n_eos: int,
+        with_seen: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> "DecodeState":
+        L, Hkv, D = len(parts.layers), parts.num_kv_heads, parts.head_dim
+        long = dict(dtype=torch.long, device=device)
+        return DecodeState(
+            # zeros, not empty: masked slots still enter the matmul with weight 0, and 0 * NaN = NaN.
+            k_cache=[torch.zeros(B, Hkv, S, D, dtype=dtype, device=device) for _ in range(L)],
+            v_cache=[torch.zeros(B, Hkv, S, D, dtype=dtype, device=device) for _ in range(L)],
+            key_valid=torch.zeros(B, S, dtype=torch.bool, device=device),
+            slots=torch.arange(S, **long),
+            token=torch.zeros(B, **long),
+            position=torch.zeros(B, **long),
+            cur=torch.zeros((), **long),
+            step=torch.zeros((), **long),
+            done=torch.zeros(B, dtype=torch.bool, device=device),
+            seen=torch.zeros(B, parts.vocab_size, dtype=torch.bool, device=device) if with_seen else None,
+            eos=torch.zeros(n_eos, **long),
+            out_tokens=torch.zeros(B, T, **long),
+            out_logps=torch.zeros(B, T, dtype=torch.float32, device=device),
+        )
+
+
+def decode_layer(
+    parts: DecoderParts,
+    layer: Any,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    bias: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer for one new token per row: writes its key/value at cache index
+    ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over all S slots under ``bias``
+    (B, 1, 1, S). ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is
+    compiled once for the whole model."""
+    B = h.shape[0]
+    G = parts.num_heads // parts.num_kv_heads
+    x = layer.input_layernorm(h)
+    q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
+    k_all.index_copy_(2, index, k)
+    v_all.index_copy_(2, index, v)
+    # Grouped-query attention without repeating the cache: the G query heads that share a
+    # key/value head become G rows of one (G, D) x (D, S) product.
+    q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
+    scores = torch.matmul(q, k_all.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, S)
+    probs = scores.float().softmax(dim=-1).to(v_all.dtype)
+    o = torch.matmul(probs, v_all)  # (B, Hkv, G, D)
+    h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def decode_head(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor) -> None:
+    """The final norm, LM head and sampling of one decode step; records the token at column
+    ``st.step`` and advances the counters."""
+    logits = parts.lm_head(parts.norm(h))[:, 0].float()  # (B, V)
+    token, logp = sample_tokens(logits, st.seen, s)
+    token = torch.where(st.done, pad_id, token)
+    logp = torch.where(st.done, 0.0, logp)
+    st.out_tokens.index_copy_(1, st.step.view(1), token[:, None])
+    st.out_logps.index_copy_(1, st.step.view(1), logp[:, None])
+    if stop_at_eos:
+        st.done.logical_or_((token[:, None] == st.eos).any(dim=-1))
+    if st.seen is not None:
+        st.seen.scatter_(1, token[:, None], True)
+    st.token.copy_(token)
+    st.position.add_(1)
+    st.cur.add_(1)
+    st.step.add_(1)
+
+
+def decode_step(
+    parts: DecoderParts,
+    st: DecodeState,
+    s: SamplingSettings,
+    pad_id: int,
+    stop_at_eos: bool,
+    layer_fn: Callable[..., torch.Tensor] = decode_layer,
+    head_fn: Callable[..., None] = decode_head,
+) -> None:
+    """One token for every row, entirely on the device and with fixed shapes (graph-capturable):
+    feed ``st.token`` at cache index ``st.cur``, sample the next token, record it at column
+    ``st.step``, and advance the counters. ``layer_fn`` / ``head_fn``: :func:`decode_layer` and
+    :func:`decode_head` or compiled versions of them."""
+    h = _embed(parts, st.token[:, None])  # (B, 1, H)
+    cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
+    valid = st.key_valid & (st.slots <= st.cur)  # (B, S)
+    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))
+    bias = bias[:, None, None, :]  # (B, 1, 1, S)
+    index = st.cur.view(1)
+    for i, layer in enumerate(parts.layers):
+        h = layer_fn(parts, layer, h, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)
+    head_fn(parts, st, s, pad_id, stop_at_eos, h)

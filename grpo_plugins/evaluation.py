@@ -1,8 +1,9 @@
 """Evaluation on held-out prompts: ``grpo-plugins eval`` and evaluation during training.
 
-For every eval prompt the run's generator samples ``num_generations_eval`` completions with the
-run's sampling settings, plus one greedy completion (``top_k=1``), and the run's rewards score
-them (the same generator and reward machinery as training). Reported per reward: the mean over
+For every eval prompt the run's environment runs ``num_generations_eval`` episodes with the
+run's sampling settings, plus one greedy episode (``top_k=1``), and the run's rewards score them
+-- the same environment, generator and scorer as training: a tool-calling run evaluates with its
+tools prompt and multi-turn episodes. Reported per reward: the mean over
 the samples, the greedy completion's mean score (greedy accuracy for a 0/1 reward) and, for
 rewards that scored only 0 and 1, pass@1 and pass@k (k = ``num_generations_eval``, the unbiased
 estimator :func:`pass_at_k`); over all rewards: the weighted reward and mean completion lengths.
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_plugins.checkpoint import STATE_FILE, CheckpointError, capture_rng, latest_checkpoint, restore_rng
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.console import quiet_libraries
-from grpo_plugins.errors import TrainingError
+from grpo_plugins.scoring import RewardFailed, raise_if_any_failed, score_episodes, with_info
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -274,35 +275,31 @@ def greedy_settings(config: GRPOConfig) -> Any:
 
 
 class Evaluator:
-    """Evaluates the model behind ``generator`` on the prompts of ``dataset``.
+    """Evaluates the model behind ``environment`` on the prompts of ``dataset``.
 
     Args:
         config: the run config (``num_generations_eval``, ``per_device_eval_batch_size``, the
             sampling settings, ``seed``, ``max_prompt_length``).
-        generator: a set-up generator (the training's own during training).
+        environment: a set-up environment (the training's own during training); its generator
+            samples, its tokenizer decodes.
         rewards: a :class:`~grpo_plugins.rewards.RewardRunner`.
-        tokenizer: the model's tokenizer.
         dataset: the eval prompts (a ``datasets.Dataset`` with a ``prompt`` column; other columns
             reach the rewards as keyword arguments).
         accelerator: the run's accelerator when several processes evaluate together (each takes
             every ``num_processes``-th prompt); None: one process.
     """
 
-    def __init__(
-        self, config: GRPOConfig, generator: Any, rewards: Any, tokenizer: Any, dataset: Any, accelerator: Any = None
-    ) -> None:
-        from grpo_plugins.data import encode_prompts
-
-        self.config, self.generator, self.rewards, self.tokenizer = config, generator, rewards, tokenizer
+    def __init__(self, config: GRPOConfig, environment: Any, rewards: Any, dataset: Any, accelerator: Any = None) -> None:
+        self.config, self.environment, self.rewards = config, environment, rewards
+        self.generator, self.tokenizer = environment.generator, environment.tokenizer
         self.accelerator = accelerator
         self.rank = accelerator.process_index if accelerator is not None else 0
         self.world = accelerator.num_processes if accelerator is not None else 1
         self.n = config.resolved_num_generations_eval
         self.rows = [dataset[i] for i in range(len(dataset))]
         self.columns = [c for c in dataset.column_names if c != "prompt"]
-        self.prompt_ids = encode_prompts(
-            tokenizer, [row["prompt"] for row in self.rows],
-            max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+        self.prompt_ids = environment.encode_prompts(
+            [row["prompt"] for row in self.rows], config.max_prompt_length, config.prompt_truncation
         )
 
     def run(self, step: int = 0, model: str = "", progress: Callable[[int, int], None] | None = None) -> EvalResult:
@@ -336,7 +333,7 @@ class Evaluator:
                     greedy = self._generate(padded, 1, step)
             except RewardError as exc:  # raised below on every process
                 error = exc
-        self._raise_if_failed(error)
+        raise_if_any_failed(self.accelerator, error, " while evaluating")
         assert sampled is not None and greedy is not None
         local = [
             (i, *(t[j].tolist() for t in sampled), *(t[j].tolist() for t in greedy))
@@ -358,27 +355,25 @@ class Evaluator:
         return result
 
     def _generate(self, indices: list[int], n: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
-        """n completions of each prompt in ``indices``, scored: ((I, n, K) rewards, (I, n)
-        lengths, (I, n) truncated). Calls hold whole prompts, about per_device_eval_batch_size
-        completions each."""
+        """n episodes of each prompt in ``indices``, scored: ((I, n, K) rewards, (I, n) lengths in
+        model tokens, (I, n) truncated). Calls hold whole prompts, about
+        per_device_eval_batch_size episodes each."""
         import torch
-
-        from grpo_plugins.rollout import score_completions
 
         per_call = self._prompts_per_call(n)
         rewards, lengths, truncated = [], [], []
         for start in range(0, len(indices), per_call):
             chunk = [i for i in indices[start : start + per_call] for _ in range(n)]
-            out = self.generator.generate([list(self.prompt_ids[i]) for i in chunk])
-            length = out.completion_mask.long().sum(1).cpu()  # (B,)
             prompts = [self.rows[i]["prompt"] for i in chunk]
             columns = {c: [self.rows[i][c] for i in chunk] for c in self.columns}
-            scores, _ = score_completions(
-                self.tokenizer, self.rewards, prompts, out.completion_ids.cpu(), length, columns, step
+            episodes = self.environment.run(prompts, [list(self.prompt_ids[i]) for i in chunk], columns)
+            scores, _ = score_episodes(
+                self.tokenizer, self.rewards, prompts, episodes.completion_ids, episodes.model_mask,
+                with_info(columns, episodes.info), step, episodes.completions,
             )
             rewards.append(scores.float().cpu())
-            lengths.append(length)
-            truncated.append(out.is_truncated.bool().cpu())
+            lengths.append(episodes.model_mask.long().sum(1).cpu())  # (B,)
+            truncated.append(episodes.is_truncated.bool().cpu())
             self._progress.advance()
         K = len(self.rewards.names)
         I = len(indices)
@@ -390,20 +385,6 @@ class Evaluator:
 
     def _prompts_per_call(self, n: int) -> int:
         return max(1, self.config.per_device_eval_batch_size // n)
-
-    def _raise_if_failed(self, error: Exception | None) -> None:
-        """Raise RewardFailed on every process when a reward failed on any."""
-        import torch
-
-        from grpo_plugins.rollout import RewardFailed
-
-        if self.world > 1:
-            acc = self.accelerator
-            failed = acc.gather(torch.tensor([0.0 if error is None else 1.0], device=acc.device))
-            if bool(failed.any()) and error is None:
-                error = TrainingError(f"a reward failed on process {int(failed.nonzero()[0])} while evaluating; see its message")
-        if error is not None:
-            raise RewardFailed(error)
 
 
 class _Counter:
@@ -495,10 +476,10 @@ def evaluate(
     import torch
 
     from grpo_plugins.data import load_eval_prompts
+    from grpo_plugins.episodes import build_environment
     from grpo_plugins.generators import build_generator
     from grpo_plugins.registry import registry_for
     from grpo_plugins.rewards import reward_runner
-    from grpo_plugins.rollout import RewardFailed
 
     registry = registry if registry is not None else registry_for(config.disable_plugins)
     model_dir, label = resolve_eval_model(checkpoint, base, config.output_dir)
@@ -507,16 +488,18 @@ def evaluate(
     model, tokenizer = load_eval_model(config, model_dir, device)
     dataset = load_eval_prompts(config, registry, tokenizer, eval_dataset)
     generator = build_generator(config, registry, model, tokenizer, device)
+    environment = build_environment(config, registry, generator, tokenizer)
     rewards = reward_runner(config, registry)
     try:
-        return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label, progress=progress)
+        return Evaluator(config, environment, rewards, dataset).run(step=step, model=label, progress=progress)
     except RewardFailed as failed:
         raise failed.error from None
     finally:
         rewards.close()
-        close = getattr(generator, "close", None)
-        if close is not None:
-            close()
+        for part in (environment, generator):  # a tool environment's threads; vLLM's engine
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 def _checkpoint_step(model_dir: Path | None) -> int:

@@ -252,7 +252,7 @@ def _expected_loss(kept: list[tuple[str, list[int], list[float]]]) -> float:
 def test_drop_zero_std_refills_and_the_normaliser_counts_kept_tokens(tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import grpo_plugins.objective
     from grpo_plugins.engine import Engine
-    from grpo_plugins.rollout import PromptStream
+    from grpo_plugins.prompts import PromptStream
 
     seen: list[float] = []
     original = grpo_plugins.objective.compute_loss

@@ -56,7 +56,7 @@ def lengths(rows: int, cap: int, median_length: int, seed: int = 0) -> list[int]
 
 def rollout_for(completion_lengths: list[int], prompt: int, tokens: int, vocab: int, device: Any) -> Any:
     """A Rollout of left-padded prompts and right-padded completions of the given lengths."""
-    from grpo_plugins.rollout import Rollout
+    from grpo_plugins.rollout_batches import Rollout
 
     rows = len(completion_lengths)
     gen = torch.Generator().manual_seed(0)

@@ -73,7 +73,7 @@ def _layout(ids: torch.Tensor, att: torch.Tensor, t: int) -> dict[str, Any]:
 def diagnose(engine: Any, micro_step: Any, rollout: Any, step: Any, window_items: float) -> dict[str, Any]:
     """``micro_step``: the run's own (unchecked) ``PolicyUpdate.micro_step``, bound to it."""
     from grpo_plugins.attention import training_passes
-    from grpo_plugins.rollout import trim_padding
+    from grpo_plugins.policy import trim_padding
     from grpo_plugins.update import AccumulationWindow
 
     report: dict[str, Any] = {"found": True, "step": engine.global_step + 1, "micro_step": step.step}

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 __all__ = [
+    "GracefulStop",
     "KNOWN_NOISE",
     "RunConsole",
     "clock",
@@ -30,6 +31,7 @@ __all__ = [
     "first_and_last",
     "metrics_parts",
     "phase",
+    "print_completions",
     "quiet_libraries",
     "show_library_output",
 ]
@@ -154,6 +156,50 @@ def clock(seconds: float) -> str:
     """``1:02:03``."""
     s = int(max(seconds, 0.0))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class GracefulStop:
+    """Ctrl-C while a step trains asks the run to stop after that optimizer step (a checkpoint
+    taken there resumes exactly); anywhere else, or pressed again, it stops at once.
+
+    The run marks its training phases with ``training_now`` and reads ``requested`` between
+    optimizer steps.
+    """
+
+    def __init__(self, console: RunConsole) -> None:
+        self.console = console
+        self.training_now = False
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Route Ctrl-C through this object in the block (main thread, default handler only)."""
+        import os
+        import signal
+        import threading
+
+        # Several processes could catch one Ctrl-C in different phases and disagree on where to
+        # save (a collective): they stop at once.
+        several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if several or threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+        signal.signal(signal.SIGINT, self._interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        if self.training_now and not self.requested:
+            self.requested = True
+            self.console.print(
+                "Ctrl-C: saving a checkpoint when the optimizer step in progress ends (Ctrl-C again to stop at once)"
+            )
+            return
+        raise KeyboardInterrupt
 
 
 class RunConsole:
@@ -343,3 +389,31 @@ def _live_progress_class() -> type:
 
 def _LiveProgress(run: RunConsole) -> Any:  # noqa: N802 -- rich is imported only when a terminal shows it
     return _live_progress_class()(run)
+
+
+def print_completions(records: list[dict[str, Any]], limit: int, *, unique_prompts: bool = False, step: int = 0) -> list[dict[str, Any]]:
+    """Print up to ``limit`` completions of a step as a table on stderr (TRL's
+    ``num_completions_to_print``; ``log_unique_prompts``: the first completion of each prompt
+    only). Returns the records printed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    shown: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for record in records:
+        key = repr(record["prompt"])
+        if unique_prompts and key in seen:
+            continue
+        seen.add(key)
+        shown.append(record)
+        if len(shown) >= limit:
+            break
+    table = Table(title=f"completions, step {step}", show_lines=True)
+    for column in ("prompt", "completion", "rewards", "advantage"):
+        table.add_column(column)
+    for r in shown:
+        prompt = r["prompt"] if isinstance(r["prompt"], str) else str(r["prompt"][-1].get("content", r["prompt"]))
+        rewards = ", ".join(f"{k}={v:.3g}" if v is not None else f"{k}=None" for k, v in r["rewards"].items())
+        table.add_row(prompt, r["completion"], rewards, f"{r['advantage']:.3g}")
+    Console(file=sys.stderr, width=120).print(table)
+    return shown

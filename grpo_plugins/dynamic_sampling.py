@@ -22,17 +22,18 @@ refill exactly when it resumes from its last checkpoint (which stores that posit
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from grpo_plugins.batching import BatchPlan
 from grpo_plugins.errors import TrainingError
+from grpo_plugins.guards import RunGuard
 from grpo_plugins.metrics import completion_metrics, reward_metrics
-
-if TYPE_CHECKING:
-    from grpo_plugins.rollout import Round, RolloutMaker, Share
+from grpo_plugins.rollout_batches import Round, Share
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +90,37 @@ def pad_columns(x: Tensor, width: int, value: int | float) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
 
-def refill(maker: RolloutMaker, first_prompt: int, step_number: int) -> Share:
+def refill(
+    first_prompt: int,
+    generate: Callable[[list[int]], Round],
+    prompts_for: Callable[[Sequence[int]], tuple[list[Any], list[list[int]], Any]],
+    accelerator: Any,
+    plan: BatchPlan,
+    guard: RunGuard,
+    group_filter: Any,
+    rewards: Any,
+    tokenizer: Any,
+    step_number: int,
+    decode_texts: bool = False,
+) -> Share:
     """Generate rounds from prompt ``first_prompt`` on until ``unique_prompts`` groups are kept
     (or ``max_refill_rounds`` extra rounds are spent) and return this process's share of the
-    assembled batch."""
-    from grpo_plugins.rollout import Share
+    assembled batch.
 
-    cfg, acc, plan = maker.config, maker.accelerator, maker.plan
-    assert plan.group_filter is not None
+    Args:
+        generate: generates and scores this process's rows of the given prompt indices.
+        prompts_for: (prompts, their token ids, ...) of prompt indices.
+        group_filter: the built ``group_filter`` component (``plan.group_filter`` names it).
+        rewards: the run's reward runner (its ``names`` and ``weights``).
+        tokenizer: pads the gathered completions; decodes them when ``decode_texts`` (logged
+            completions).
+    """
+    acc = accelerator
+    assert plan.group_filter is not None, "refill runs only for a group filter that drops groups"
     U, G, E = plan.unique_prompts, plan.num_generations, plan.effective_batch_size
     rows = plan.process_rows(acc.process_index)
-    pad_id = maker.tokenizer.pad_token_id
-    names, weights = list(maker.rewards.names), list(maker.rewards.weights)
+    pad_id = tokenizer.pad_token_id
+    names, weights = list(rewards.names), list(rewards.weights)
 
     rounds: list[GatheredRound] = []
     slots: list[tuple[int, int]] = []  # (round, group) of each kept group, in generation order
@@ -111,15 +131,15 @@ def refill(maker: RolloutMaker, first_prompt: int, step_number: int) -> Share:
     for r in range(plan.max_refill_rounds + 1):
         start = first_prompt + r * U
         indices = [start + c // G for c in range(E)][rows]
-        local = maker.generate_round(indices, step_number)
+        local = generate(indices)
         generate_seconds += local.generate_seconds
         reward_seconds += local.reward_seconds
         local_tokens += sum(len(p) for p in local.prompt_ids) + local.completion_mask.sum().double()
         gathered = gather_round(acc, local, start, pad_id)
         # inf rewards are caught in every round, dropped groups included.
-        found = maker.guard.check_rollout(gathered.rewards, torch.zeros(E, device=gathered.rewards.device), step_number)
+        found = guard.check_rollout(gathered.rewards, torch.zeros(E, device=gathered.rewards.device), step_number)
         nonfinite = nonfinite or found
-        keep = filter_groups(maker.group_filter, plan.group_filter, gathered.rewards, weights, names, G)  # (U,)
+        keep = filter_groups(group_filter, plan.group_filter, gathered.rewards, weights, names, G)  # (U,)
         rounds.append(gathered)
         kept = keep.nonzero().flatten().tolist()
         passed += len(kept)
@@ -150,12 +170,12 @@ def refill(maker: RolloutMaker, first_prompt: int, step_number: int) -> Share:
     prompt_index = [rounds[r].first_prompt + i // G for r, i in sources]  # (E,)
 
     mine = prompt_index[rows]
-    prompts, prompt_ids, _ = maker.prompts_for(mine)
+    prompts, prompt_ids, _ = prompts_for(mine)
     local_ids, local_mask = completion_ids[rows], completion_mask[rows]
     texts: list[str] = []
-    if cfg.log_completions:
+    if decode_texts:
         lengths = local_mask.sum(1).tolist()
-        texts = maker.tokenizer.batch_decode(
+        texts = tokenizer.batch_decode(
             [local_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True
         )
 
@@ -173,21 +193,25 @@ def refill(maker: RolloutMaker, first_prompt: int, step_number: int) -> Share:
             plan.group_filter, len(slots), U, len(rounds), plan.max_refill_rounds, U - len(slots),
         )
     empty_mine = empty[rows]
-    return Share(
+    assembled = Round(
         prompt_index=[-1 if bool(e) else i for i, e in zip(mine, empty_mine.tolist())],
         prompt_ids=prompt_ids,
         prompts=prompts,
         completion_ids=local_ids,
         completion_mask=local_mask,
+        model_mask=local_mask,  # single-turn episodes only: every token is the model's
         truncated=truncated[rows],
         sampling_logps=sampling_logps,
         local_rewards=rewards[rows],
-        all_rewards=rewards,
         texts=texts,
-        metrics=metrics,
-        num_tokens=int(acc.reduce(local_tokens, reduction="sum")),
         generate_seconds=generate_seconds,
         reward_seconds=reward_seconds,
+    )
+    return Share(
+        rows=assembled,
+        all_rewards=rewards,
+        metrics=metrics,
+        num_tokens=int(acc.reduce(local_tokens, reduction="sum")),
         next_prompt=first_prompt + len(rounds) * U,
         nonfinite=nonfinite,
         empty=empty_mine,

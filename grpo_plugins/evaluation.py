@@ -1,8 +1,9 @@
 """Evaluation on held-out prompts: ``grpo-plugins eval`` and evaluation during training.
 
-For every eval prompt the run's generator samples ``num_generations_eval`` completions with the
-run's sampling settings, plus one greedy completion (``top_k=1``), and the run's rewards score
-them (the same generator and reward machinery as training). Reported per reward: the mean over
+For every eval prompt the run's environment runs ``num_generations_eval`` episodes with the
+run's sampling settings, plus one greedy episode (``top_k=1``), and the run's rewards score them
+-- the same environment, generator and scorer as training: a tool-calling run evaluates with its
+tools prompt and multi-turn episodes. Reported per reward: the mean over
 the samples, the greedy completion's mean score (greedy accuracy for a 0/1 reward) and, for
 rewards that scored only 0 and 1, pass@1 and pass@k (k = ``num_generations_eval``, the unbiased
 estimator :func:`pass_at_k`); over all rewards: the weighted reward and mean completion lengths.
@@ -23,195 +24,23 @@ import math
 import random
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import STATE_FILE, CheckpointError, capture_rng, latest_checkpoint, restore_rng
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.console import quiet_libraries
-from grpo_plugins.errors import TrainingError
+from grpo_plugins.eval_results import EvalResult, RewardSummary, pass_at_k, summarise
+from grpo_plugins.scoring import RewardFailed, raise_if_any_failed, score_episodes, with_info
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from grpo_plugins.registry import Registry
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimator ``1 - C(n-c, k) / C(n, k)``: the chance that at least one of
-    ``k`` samples drawn without replacement from ``n`` samples, ``c`` of them correct, is correct
-    (Chen et al. 2021). Exact integer binomials, so it is exact for any n.
-
-    Raises:
-        ValueError: unless ``0 <= c <= n`` and ``1 <= k <= n``.
-    """
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-# -- results ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class RewardSummary:
-    """One reward's evaluation.
-
-    Attributes:
-        name: the reward's name (as in ``rewards/<name>/mean`` of training).
-        weight: its weight in the weighted reward.
-        mean: mean score over the sampled completions it scored (None: it scored none).
-        greedy: mean score of the greedy completions (greedy accuracy for a 0/1 reward).
-        binary: every score it gave was 0 or 1 (then ``pass_at`` is filled).
-        pass_at: k -> pass@k, averaged over the prompts with at least k scored samples.
-    """
-
-    name: str
-    weight: float
-    mean: float | None
-    greedy: float | None
-    binary: bool
-    pass_at: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class EvalResult:
-    """What an evaluation measured.
-
-    Attributes:
-        num_prompts: eval prompts.
-        num_generations: sampled completions per prompt (``num_generations_eval``).
-        reward: mean weighted reward of the sampled completions.
-        greedy_reward: mean weighted reward of the greedy completions.
-        rewards: one summary per reward, in config order.
-        mean_length: mean length of the sampled completions in tokens (EOS included).
-        clipped_ratio: fraction of sampled completions cut at max_completion_length.
-        greedy_mean_length: mean length of the greedy completions.
-        seconds: wall time of the evaluation.
-        model: what was evaluated (``base``, a checkpoint, or ``step N`` during training).
-    """
-
-    num_prompts: int
-    num_generations: int
-    reward: float | None
-    greedy_reward: float | None
-    rewards: list[RewardSummary]
-    mean_length: float
-    clipped_ratio: float
-    greedy_mean_length: float
-    seconds: float = 0.0
-    model: str = ""
-
-    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """Flat metrics as training logs them (``eval/reward``, ``eval/rewards/<name>/pass@8``,
-        ...); values that do not exist (a reward that scored nothing) are left out."""
-        out: dict[str, float | None] = {
-            "reward": self.reward,
-            "greedy/reward": self.greedy_reward,
-        }
-        for r in self.rewards:
-            out[f"rewards/{r.name}/mean"] = r.mean
-            out.update({f"rewards/{r.name}/pass@{k}": v for k, v in r.pass_at.items()})
-            out[f"rewards/{r.name}/greedy"] = r.greedy
-        out.update(
-            {
-                "completions/mean_length": self.mean_length,
-                "completions/clipped_ratio": self.clipped_ratio,
-                "greedy/mean_length": self.greedy_mean_length,
-                "num_prompts": float(self.num_prompts),
-                "seconds": self.seconds,
-            }
-        )
-        return {prefix + k: float(v) for k, v in out.items() if v is not None}
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready summary (``grpo-plugins eval --json``)."""
-        return {
-            "model": self.model,
-            "num_prompts": self.num_prompts,
-            "num_generations_eval": self.num_generations,
-            "reward": self.reward,
-            "greedy_reward": self.greedy_reward,
-            "rewards": [
-                {
-                    "name": r.name,
-                    "weight": r.weight,
-                    "mean": r.mean,
-                    "greedy": r.greedy,
-                    "binary": r.binary,
-                    **{f"pass@{k}": v for k, v in r.pass_at.items()},
-                }
-                for r in self.rewards
-            ],
-            "mean_length": self.mean_length,
-            "clipped_ratio": self.clipped_ratio,
-            "greedy_mean_length": self.greedy_mean_length,
-            "seconds": self.seconds,
-            "metrics": self.metrics(),
-        }
-
-
-def _mean(x: Tensor) -> float | None:
-    value = float(x.double().nanmean()) if x.numel() else math.nan
-    return value if math.isfinite(value) else None
-
-
-def summarise(
-    sample_rewards: Tensor,
-    sample_lengths: Tensor,
-    sample_truncated: Tensor,
-    greedy_rewards: Tensor,
-    greedy_lengths: Tensor,
-    names: Sequence[str],
-    weights: Sequence[float],
-) -> EvalResult:
-    """The :class:`EvalResult` of scored completions.
-
-    Args:
-        sample_rewards: (P, n, K) scores of the n sampled completions of each of P prompts; NaN
-            where a reward returned None.
-        sample_lengths: (P, n) their lengths in tokens.
-        sample_truncated: (P, n) bool, cut at max_completion_length.
-        greedy_rewards: (P, K) scores of each prompt's greedy completion.
-        greedy_lengths: (P,) its length.
-        names, weights: the K rewards.
-    """
-    import torch
-
-    from grpo_plugins.advantages import combine_rewards
-
-    P, n, K = sample_rewards.shape
-    r = sample_rewards.double()
-    combined = combine_rewards(r.reshape(P * n, K), list(weights))  # (P*n,)
-    summaries = []
-    for k, (name, weight) in enumerate(zip(names, weights)):
-        col = r[:, :, k]  # (P, n)
-        scored = ~torch.isnan(col)
-        binary = bool(scored.any()) and bool(((col == 0) | (col == 1))[scored].all())
-        pass_at: dict[int, float] = {}
-        if binary:
-            counts, correct = scored.sum(1).tolist(), (col == 1).sum(1).tolist()  # per prompt
-            for kk in sorted({1, n}):
-                values = [pass_at_k(ni, ci, kk) for ni, ci in zip(counts, correct) if ni >= kk]
-                if values:
-                    pass_at[kk] = sum(values) / len(values)
-        summaries.append(
-            RewardSummary(name, float(weight), _mean(col), _mean(greedy_rewards[:, k]), binary, pass_at)
-        )
-    return EvalResult(
-        num_prompts=P,
-        num_generations=n,
-        reward=_mean(combined),
-        greedy_reward=_mean(combine_rewards(greedy_rewards.double().reshape(P, K), list(weights))),
-        rewards=summaries,
-        mean_length=_mean(sample_lengths.double()) or 0.0,
-        clipped_ratio=_mean(sample_truncated.double()) or 0.0,
-        greedy_mean_length=_mean(greedy_lengths.double()) or 0.0,
-    )
+# The results (eval_results.py) are read through this module too.
+__all__ = ["EvalResult", "Evaluator", "RewardSummary", "evaluate", "pass_at_k", "summarise"]
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -274,35 +103,31 @@ def greedy_settings(config: GRPOConfig) -> Any:
 
 
 class Evaluator:
-    """Evaluates the model behind ``generator`` on the prompts of ``dataset``.
+    """Evaluates the model behind ``environment`` on the prompts of ``dataset``.
 
     Args:
         config: the run config (``num_generations_eval``, ``per_device_eval_batch_size``, the
             sampling settings, ``seed``, ``max_prompt_length``).
-        generator: a set-up generator (the training's own during training).
+        environment: a set-up environment (the training's own during training); its generator
+            samples, its tokenizer decodes.
         rewards: a :class:`~grpo_plugins.rewards.RewardRunner`.
-        tokenizer: the model's tokenizer.
         dataset: the eval prompts (a ``datasets.Dataset`` with a ``prompt`` column; other columns
             reach the rewards as keyword arguments).
         accelerator: the run's accelerator when several processes evaluate together (each takes
             every ``num_processes``-th prompt); None: one process.
     """
 
-    def __init__(
-        self, config: GRPOConfig, generator: Any, rewards: Any, tokenizer: Any, dataset: Any, accelerator: Any = None
-    ) -> None:
-        from grpo_plugins.data import encode_prompts
-
-        self.config, self.generator, self.rewards, self.tokenizer = config, generator, rewards, tokenizer
+    def __init__(self, config: GRPOConfig, environment: Any, rewards: Any, dataset: Any, accelerator: Any = None) -> None:
+        self.config, self.environment, self.rewards = config, environment, rewards
+        self.generator, self.tokenizer = environment.generator, environment.tokenizer
         self.accelerator = accelerator
         self.rank = accelerator.process_index if accelerator is not None else 0
         self.world = accelerator.num_processes if accelerator is not None else 1
         self.n = config.resolved_num_generations_eval
         self.rows = [dataset[i] for i in range(len(dataset))]
         self.columns = [c for c in dataset.column_names if c != "prompt"]
-        self.prompt_ids = encode_prompts(
-            tokenizer, [row["prompt"] for row in self.rows],
-            max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
+        self.prompt_ids = environment.encode_prompts(
+            [row["prompt"] for row in self.rows], config.max_prompt_length, config.prompt_truncation
         )
 
     def run(self, step: int = 0, model: str = "", progress: Callable[[int, int], None] | None = None) -> EvalResult:
@@ -336,7 +161,7 @@ class Evaluator:
                     greedy = self._generate(padded, 1, step)
             except RewardError as exc:  # raised below on every process
                 error = exc
-        self._raise_if_failed(error)
+        raise_if_any_failed(self.accelerator, error, " while evaluating")
         assert sampled is not None and greedy is not None
         local = [
             (i, *(t[j].tolist() for t in sampled), *(t[j].tolist() for t in greedy))
@@ -358,27 +183,25 @@ class Evaluator:
         return result
 
     def _generate(self, indices: list[int], n: int, step: int) -> tuple[Tensor, Tensor, Tensor]:
-        """n completions of each prompt in ``indices``, scored: ((I, n, K) rewards, (I, n)
-        lengths, (I, n) truncated). Calls hold whole prompts, about per_device_eval_batch_size
-        completions each."""
+        """n episodes of each prompt in ``indices``, scored: ((I, n, K) rewards, (I, n) lengths in
+        model tokens, (I, n) truncated). Calls hold whole prompts, about
+        per_device_eval_batch_size episodes each."""
         import torch
-
-        from grpo_plugins.rollout import score_completions
 
         per_call = self._prompts_per_call(n)
         rewards, lengths, truncated = [], [], []
         for start in range(0, len(indices), per_call):
             chunk = [i for i in indices[start : start + per_call] for _ in range(n)]
-            out = self.generator.generate([list(self.prompt_ids[i]) for i in chunk])
-            length = out.completion_mask.long().sum(1).cpu()  # (B,)
             prompts = [self.rows[i]["prompt"] for i in chunk]
             columns = {c: [self.rows[i][c] for i in chunk] for c in self.columns}
-            scores, _ = score_completions(
-                self.tokenizer, self.rewards, prompts, out.completion_ids.cpu(), length, columns, step
+            episodes = self.environment.run(prompts, [list(self.prompt_ids[i]) for i in chunk], columns)
+            scores, _ = score_episodes(
+                self.tokenizer, self.rewards, prompts, episodes.completion_ids, episodes.model_mask,
+                with_info(columns, episodes.info), step, episodes.completions,
             )
             rewards.append(scores.float().cpu())
-            lengths.append(length)
-            truncated.append(out.is_truncated.bool().cpu())
+            lengths.append(episodes.model_mask.long().sum(1).cpu())  # (B,)
+            truncated.append(episodes.is_truncated.bool().cpu())
             self._progress.advance()
         K = len(self.rewards.names)
         I = len(indices)
@@ -390,20 +213,6 @@ class Evaluator:
 
     def _prompts_per_call(self, n: int) -> int:
         return max(1, self.config.per_device_eval_batch_size // n)
-
-    def _raise_if_failed(self, error: Exception | None) -> None:
-        """Raise RewardFailed on every process when a reward failed on any."""
-        import torch
-
-        from grpo_plugins.rollout import RewardFailed
-
-        if self.world > 1:
-            acc = self.accelerator
-            failed = acc.gather(torch.tensor([0.0 if error is None else 1.0], device=acc.device))
-            if bool(failed.any()) and error is None:
-                error = TrainingError(f"a reward failed on process {int(failed.nonzero()[0])} while evaluating; see its message")
-        if error is not None:
-            raise RewardFailed(error)
 
 
 class _Counter:
@@ -495,10 +304,10 @@ def evaluate(
     import torch
 
     from grpo_plugins.data import load_eval_prompts
+    from grpo_plugins.episodes import build_environment
     from grpo_plugins.generators import build_generator
     from grpo_plugins.registry import registry_for
     from grpo_plugins.rewards import reward_runner
-    from grpo_plugins.rollout import RewardFailed
 
     registry = registry if registry is not None else registry_for(config.disable_plugins)
     model_dir, label = resolve_eval_model(checkpoint, base, config.output_dir)
@@ -507,16 +316,18 @@ def evaluate(
     model, tokenizer = load_eval_model(config, model_dir, device)
     dataset = load_eval_prompts(config, registry, tokenizer, eval_dataset)
     generator = build_generator(config, registry, model, tokenizer, device)
+    environment = build_environment(config, registry, generator, tokenizer)
     rewards = reward_runner(config, registry)
     try:
-        return Evaluator(config, generator, rewards, tokenizer, dataset).run(step=step, model=label, progress=progress)
+        return Evaluator(config, environment, rewards, dataset).run(step=step, model=label, progress=progress)
     except RewardFailed as failed:
         raise failed.error from None
     finally:
         rewards.close()
-        close = getattr(generator, "close", None)
-        if close is not None:
-            close()
+        for part in (environment, generator):  # a tool environment's threads; vLLM's engine
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 def _checkpoint_step(model_dir: Path | None) -> int:

@@ -1,6 +1,6 @@
 """The policy update: micro-steps (forward + backward with accumulation) and optimizer steps.
 
-:class:`PolicyUpdate` runs one micro-step of the plan on a :class:`~grpo_plugins.rollout.Rollout`
+:class:`PolicyUpdate` runs one micro-step of the plan on a :class:`~grpo_plugins.rollout_batches.Rollout`
 (``train_chunk_rows`` rows per forward+backward, DDP gradient sync only on the backward that
 ends an accumulation window), collects the loss and metrics of the window in an
 :class:`AccumulationWindow`, and at the window's end clips the gradient norm, steps the
@@ -25,7 +25,8 @@ from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics, Objective
 from grpo_plugins.precision import MasterWeights
-from grpo_plugins.rollout import Policy, Rollout, trim_padding
+from grpo_plugins.policy import Policy, trim_padding
+from grpo_plugins.rollout_batches import Rollout
 
 
 @dataclass

@@ -12,12 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "grpo_plugins"
 MAX_LINES = 450
 
 #: Modules allowed over MAX_LINES, each with the reason. Keep this list short.
-OVERSIZED = {
-    "grpo_plugins.engine": "being restructured together with rollout and evaluation",
-    "grpo_plugins.rollout": "being restructured together with engine and evaluation",
-    "grpo_plugins.evaluation": "being restructured together with engine and rollout",
-    "grpo_plugins.objective": "being reworked around a frozen Objective settings object",
-}
+OVERSIZED: dict[str, str] = {}  # module -> why it may exceed MAX_LINES (none today)
 
 BUILTIN_PACKAGES = ("builtin_rewards", "builtin_losses", "builtin_environments")
 

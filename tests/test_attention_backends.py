@@ -59,9 +59,9 @@ def test_training_and_logprob_passes_run_without_cudnn_attention(
         "max_completion_length": 6, "learning_rate": 1e-3, "report_to": [], "seed": 0,
         "gradient_checkpointing": True, "lora": lora, "compile_layers": False,
     }
-    import grpo_plugins.engine as engine_module
+    import grpo_plugins.run_parts as run_parts
 
-    build = engine_module.build_generator
+    build = run_parts.build_generator
 
     def build_unrecorded(*args: Any, **kwargs: Any) -> Any:
         # Only the training and log-prob passes are recorded: generation is forward-only.
@@ -69,7 +69,7 @@ def test_training_and_logprob_passes_run_without_cudnn_attention(
         generator.generate = _unrecorded(generator.generate, original)
         return generator
 
-    monkeypatch.setattr(engine_module, "build_generator", build_unrecorded)
+    monkeypatch.setattr(run_parts, "build_generator", build_unrecorded)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     engine = Engine(cfg, rewards=[char_sum], dataset=PROMPTS)
     engine.train()

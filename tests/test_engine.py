@@ -143,12 +143,19 @@ def test_an_earlier_accelerator_with_other_settings_does_not_block_a_run(tiny_mo
     assert result.metrics and math.isfinite(result.metrics["loss"])
 
 
-def test_every_engine_attribute_is_declared_in_init(tiny_model: dict, tmp_path: Path) -> None:
+def test_every_engine_attribute_is_declared_in_init_and_setup_adds_only_the_built_parts(
+    tiny_model: dict, tmp_path: Path
+) -> None:
+    from grpo_plugins.run_parts import RunParts
+
     model, tok = _model(tiny_model)
     engine = Engine(_config(tiny_model, tmp_path), model=model, tokenizer=tok, rewards=[char_sum], dataset=PROMPTS)
     declared = set(vars(engine))
+    with pytest.raises(AttributeError, match="before setup"):
+        engine.optimizer
     engine.train()
-    assert set(vars(engine)) == declared
+    assert set(vars(engine)) == declared | {"parts"}
+    assert isinstance(engine.parts, RunParts) and engine.optimizer is engine.parts.policy.optimizer
 
 
 def test_kl_rollout_correction_and_iterations(tiny_model: dict, tmp_path: Path) -> None:
@@ -187,7 +194,7 @@ def test_micro_batches_consumed_equal_the_plan(tiny_model: dict, tmp_path: Path,
     """What the generator, the rewards and the training forwards actually receive, mapped back to
     prompt indices, is what `plan` shows (not the engine's own trace of the plan)."""
     from grpo_plugins.generators.transformers_backend import TransformersGenerator
-    from grpo_plugins.rollout import PromptStream
+    from grpo_plugins.prompts import PromptStream
     from grpo_plugins.testing import registered_component
 
     plan = make_plan(**batch)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from grpo_plugins.checkpoint import CheckpointError, STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
-from grpo_plugins.rollout import PromptStream, accumulation_windows, trim_padding
+from grpo_plugins.policy import trim_padding
+from grpo_plugins.prompts import PromptStream
+from grpo_plugins.rollout import accumulation_windows
 from grpo_plugins.batching import make_plan
 from grpo_plugins.metrics import average, completion_metrics, read_metrics, reward_metrics, truncate_jsonl
 

@@ -171,7 +171,7 @@ def test_pad_to_multiple_of_pads_the_training_inputs(tiny_model: dict, tmp_path:
 
 
 def test_printed_completions_respect_the_limit_and_unique_prompts(capsys):
-    from grpo_plugins.rollout import print_completions
+    from grpo_plugins.console import print_completions
 
     records = [{"prompt": p, "completion": f"c{i}", "rewards": {"r": 1.0}, "advantage": 0.0}
                for i, p in enumerate(["a", "a", "b", "b", "c"])]

@@ -503,3 +503,35 @@ def test_dynamic_sampling_that_drops_groups_refuses_a_multi_turn_environment(eng
     engine = engine_factory(group_filter="drop_zero_std")
     with pytest.raises(TrainingError, match="group_filter that drops groups .* multi-turn environment"):
         engine.rollouts.make(0, 1)
+
+
+# -- evaluation runs the same episodes ------------------------------------------------------------
+
+
+def test_eval_of_a_tool_calling_config_prompts_with_the_tools_and_runs_multi_turn_episodes(
+    tiny_long: dict, tmp_path: Path, tokenizer: Any
+) -> None:
+    from grpo_plugins.config import load_config
+    from grpo_plugins.evaluation import evaluate
+
+    made: list[Scripted] = []
+
+    class Recorded(Scripted):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    environment = {"name": "tool_calling", "params": {"tools_in": "system_prompt"}}
+    config = load_config(_config(tiny_long, tmp_path, environment=environment, per_device_eval_batch_size=4))
+    with registered_component("generator", Recorded, "scripted"):
+        result = evaluate(config, base=True, eval_dataset=list(ROWS), registry=get_registry())
+    calls = made[0].calls
+    # The tools prompt opens every eval prompt, as in training.
+    assert all(tokenizer.decode(p).startswith("<|system|>You can call these tools:") for call in calls for p in call)
+    # Sampled (2 per prompt): first turns alternate tool call / wrong answer, and an episode that
+    # called the calculator gets a second turn that answers with its result: rewards 1, 0, 1, 0.
+    # Greedy: one episode per prompt, again a call (correct) then a wrong answer.
+    assert [len(c) for c in calls] == [4, 2, 2, 1]  # sampled turn 1, turn 2; greedy turn 1, turn 2
+    (correct,) = result.rewards
+    assert correct.mean == 0.5 and correct.greedy == 0.5
+    assert correct.pass_at == {1: 0.5, 2: 1.0}

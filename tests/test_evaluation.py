@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from grpo_plugins.config import load_config
+from grpo_plugins.episodes import build_environment
 from grpo_plugins.evaluation import Evaluator, pass_at_k, summarise
 from grpo_plugins.generators import build_generator
 from grpo_plugins.models import load_model
@@ -129,8 +130,9 @@ def _evaluator(tiny_model: dict, rewards: list[Any], **settings: Any) -> tuple[E
     })
     model, tokenizer = load_model(tiny_model, dtype="float32", seed=config.seed)
     generator = build_generator(config, get_registry(), model, tokenizer, torch.device("cpu"))
+    environment = build_environment(config, get_registry(), generator, tokenizer)
     runner = RewardRunner(rewards, reward_weights=[1.0, 2.0][: len(rewards)])
-    return Evaluator(config, generator, runner, tokenizer, datasets.Dataset.from_list(ROWS)), model, tokenizer
+    return Evaluator(config, environment, runner, datasets.Dataset.from_list(ROWS)), model, tokenizer
 
 
 def test_eval_numbers_of_rewards_with_known_values(tiny_model: dict) -> None:

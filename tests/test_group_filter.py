@@ -252,7 +252,7 @@ def _expected_loss(kept: list[tuple[str, list[int], list[float]]]) -> float:
 def test_drop_zero_std_refills_and_the_normaliser_counts_kept_tokens(tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import grpo_plugins.objective
     from grpo_plugins.engine import Engine
-    from grpo_plugins.rollout import PromptStream
+    from grpo_plugins.prompts import PromptStream
 
     seen: list[float] = []
     original = grpo_plugins.objective.compute_loss
@@ -371,3 +371,18 @@ if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
         cls.generate = generate
     config = json.loads(Path(sys.argv[1]).read_text())
     Engine(config, rewards=[spread], dataset=PROMPTS).train(resume=True if "--resume" in sys.argv[2:] else None)
+
+
+def test_dynamic_sampling_and_evaluation_import_nothing_of_the_rollout_pipeline() -> None:
+    # The pipeline uses dynamic sampling, not the other way round (refill gets narrow inputs),
+    # and evaluation shares the scorer, not the pipeline: no import of it anywhere in them.
+    import ast
+
+    import grpo_plugins.dynamic_sampling
+    import grpo_plugins.evaluation
+
+    for module in (grpo_plugins.dynamic_sampling, grpo_plugins.evaluation):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & {"grpo_plugins.rollout", "grpo_plugins.engine"}, module.__name__

@@ -141,13 +141,15 @@ def test_master_weights_live_on_the_training_device_when_the_model_arrives_elsew
     # generator's path leaves it, and everything the optimizer steps must end up on the device.
     from accelerate import Accelerator
 
+    from grpo_plugins.config import load_config
+    from grpo_plugins.run_parts import load_policy
     from grpo_plugins.runtime import make_accelerator
 
     monkeypatch.setattr(Accelerator, "device", property(lambda self: torch.device("meta")))
-    engine = Engine(_config(tiny_model, tmp_path), rewards=[char_sum], dataset=PROMPTS)
-    engine.accelerator, engine.plan = make_accelerator(engine.config, engine.registry)
-    engine._load_model()
-    assert engine.master is not None
-    model_devices = {p.device.type for p in engine.unwrapped.parameters()}
-    stepped_devices = {p.device.type for group in engine.optimizer.param_groups for p in group["params"]}
+    config = load_config(_config(tiny_model, tmp_path))
+    accelerator, _ = make_accelerator(config)
+    policy = load_policy(config, accelerator)
+    assert policy.master is not None
+    model_devices = {p.device.type for p in policy.unwrapped.parameters()}
+    stepped_devices = {p.device.type for group in policy.optimizer.param_groups for p in group["params"]}
     assert model_devices == {"meta"} and stepped_devices == {"meta"}

@@ -361,16 +361,16 @@ def test_float16_skipped_steps_keep_the_gradient_scaler_working(tiny_model: dict
 def test_float16_logs_the_loss_scale_and_the_scalers_skipped_steps(
     tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import grpo_plugins.engine as engine_module
+    import grpo_plugins.run_parts as run_parts
 
-    make = engine_module.make_accelerator
+    make = run_parts.make_accelerator
 
     def huge_initial_scale(*args: Any, **kwargs: Any) -> Any:
         acc, plan = make(*args, **kwargs)
         acc.scaler._init_scale = 2.0**40  # every scaled gradient overflows float16 at first
         return acc, plan
 
-    monkeypatch.setattr(engine_module, "make_accelerator", huge_initial_scale)
+    monkeypatch.setattr(run_parts, "make_accelerator", huge_initial_scale)
     model, tok = _model(tiny_model)
     before = {k: v.float().cpu() for k, v in _snapshot(model).items()}
     cfg = _config(tiny_model, tmp_path, dtype="float16", max_steps=3)

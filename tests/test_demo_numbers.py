@@ -26,6 +26,10 @@ COLUMNS = {
 }
 
 
+#: Measured: 2.0046 with AVX-512 kernels, 2.0044 with AVX2 ones (ATEN_CPU_CAPABILITY=avx2) at step 2.
+ENTROPY_TOLERANCE = 0.002
+
+
 def documented_steps() -> dict[int, dict[str, float]]:
     """The table between the ``demo-first-steps`` markers: step -> metric -> value."""
     text = DOC.read_text(encoding="utf-8")
@@ -50,5 +54,9 @@ def test_the_demo_first_steps_give_the_documented_numbers(tmp_path: Path) -> Non
     measured = {r["step"]: r for r in read_metrics(tmp_path / "demo")}
     for step, values in documented.items():
         for metric, value in values.items():
-            digits = 1 if metric == "completions/mean_length" else 3
-            assert round(measured[step][metric], digits) == value, (step, metric, measured[step][metric])
+            got = measured[step][metric]
+            if metric == "entropy":  # a sum of exp/log over the vocabulary: CPUs differ in its 4th decimal
+                assert got == pytest.approx(value, abs=ENTROPY_TOLERANCE), (step, metric, got)
+            else:  # the sampled completions themselves: exact
+                digits = 1 if metric == "completions/mean_length" else 3
+                assert round(got, digits) == value, (step, metric, got)

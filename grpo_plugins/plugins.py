@@ -6,6 +6,8 @@ registration hooks of all plugins are then called through pluggy, one call per h
 ``tryfirst``, ``trylast`` and wrappers work; every ``register`` call is attributed to the plugin
 that made it, and a hook that raises marks only its own plugin broken, keeping nothing it
 registered. What ``register`` makes of a registration is the caller's (:mod:`grpo_plugins.registry`).
+Importing a plugin and calling its hooks leaves the random generators and torch's thread count as
+they were (:func:`global_state_kept`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def char_sum(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 @pytest.fixture
-def noisy_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def noisy_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A path entry holding the noisy plugin's distribution (not yet on sys.path)."""
     for var in ("GRPO_PLUGINS_STRICT", "GRPO_PLUGINS_DISABLE"):
         monkeypatch.delenv(var, raising=False)

@@ -6,16 +6,21 @@ registration hooks of all plugins are then called through pluggy, one call per h
 ``tryfirst``, ``trylast`` and wrappers work; every ``register`` call is attributed to the plugin
 that made it, and a hook that raises marks only its own plugin broken, keeping nothing it
 registered. What ``register`` makes of a registration is the caller's (:mod:`grpo_plugins.registry`).
+Importing a plugin and calling its hooks leaves the random generators and torch's thread count as
+they were (:func:`global_state_kept`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib.metadata
+import random
 import re
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +84,36 @@ def hook_problems(plugin: object) -> list[str]:
     return problems
 
 
+@contextlib.contextmanager
+def global_state_kept() -> Iterator[None]:
+    """Put back what a plugin's import or registration hook may change and a seeded run depends
+    on: the state of Python's, NumPy's and torch's random number generators (torch's CUDA ones
+    where CUDA is initialised) and torch's thread count. So an installed plugin that the config
+    does not use cannot change a seeded run, whenever it is loaded. Modules first imported inside
+    the block (torch or NumPy by a plugin) start from their own import-time state."""
+    py_state = random.getstate()
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    torch = sys.modules.get("torch")
+    torch_state = None
+    if torch is not None:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        torch_state = (torch.random.get_rng_state(), cuda, torch.get_num_threads())
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+        if torch is not None and torch_state is not None:
+            cpu, cuda, threads = torch_state
+            torch.random.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+
 class Plugins:
     """The plugins of one registry: pluggy's manager, the broken plugins, the disabled ones.
 
@@ -107,7 +142,8 @@ class Plugins:
                 self.skipped.append(origin)
                 continue
             try:
-                plugins.append((ep.load(), origin))
+                with global_state_kept():
+                    plugins.append((ep.load(), origin))
             except Exception as exc:  # noqa: BLE001 - any import error makes the plugin broken
                 self.mark_broken(origin, exc)
         return self.add(plugins, make)
@@ -124,7 +160,8 @@ class Plugins:
 
         self._failures = {}
         for kind, hook in KINDS.items():
-            self.pm.subset_hook_caller(hook, remove_plugins=others)(register=functools.partial(register, kind))
+            with global_state_kept():
+                self.pm.subset_hook_caller(hook, remove_plugins=others)(register=functools.partial(register, kind))
             for plugin, origin in plugins:  # a failed plugin's other hooks are not called
                 if origin in self._failures and self.pm.is_registered(plugin):
                     self.pm.unregister(plugin)

@@ -410,7 +410,7 @@ def test_completion_text_reads_plain_and_chat_completions():
 
 def test_the_readme_reward_scores_chat_completions_by_their_text():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    block = readme.split("from Python\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     source = block[block.index("@grpo_plugins.reward") :].split("\n\n", 1)[0]  # the reward alone
     namespace: dict = {"grpo_plugins": grpo_plugins}
     try:
@@ -420,7 +420,7 @@ def test_the_readme_reward_scores_chat_completions_by_their_text():
             scores = runner(chat, ["4", "The answer is 4."])[:, 0].tolist()
     finally:
         grpo_plugins.get_registry().unregister("reward", "brevity")
-    assert scores == pytest.approx([-0.01, -0.16])
+    assert scores == pytest.approx([0.99, 0.84])
 
 
 def test_a_module_function_reward_is_found_in_the_current_folder(registry, tmp_path, monkeypatch):

@@ -11,29 +11,20 @@ from __future__ import annotations
 import glob
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from grpo_plugins.config import DatasetSpec, GRPOConfig, component_ref
-from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.prompt_encoding import DataError, PromptTooLongError, encode_prompts  # re-exported
 
 if TYPE_CHECKING:
     import datasets
     from torch import Tensor
-    from transformers import PreTrainedTokenizerBase
 
     from grpo_plugins.registry import Registry
 
 #: File extensions read with the builder of the same name (``path: train.jsonl`` works too).
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-class DataError(GRPOPluginsError):
-    """The dataset of a run cannot be loaded or does not have the expected shape."""
-
-
-class PromptTooLongError(DataError):
-    """A prompt is longer than max_prompt_length and prompt_truncation is 'error'."""
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -331,53 +322,6 @@ def _raise_with_row(tokenizer: Any, batch: list[Any], start: int) -> None:
 
 
 # -- encoding -------------------------------------------------------------------------------------
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str | list[dict[str, Any]]],
-    *,
-    max_prompt_length: int | None,
-    truncation: Literal["error", "left"] = "error",
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[list[int]]:
-    """Token ids of each prompt.
-
-    Conversational prompts (lists of messages) go through the tokenizer's chat template with
-    ``add_generation_prompt=True`` (the template adds any special tokens itself); strings are
-    tokenized as they are. A prompt over ``max_prompt_length`` tokens raises
-    :class:`PromptTooLongError` (``truncation="error"``) or keeps its last tokens (``"left"``).
-    ``chat_template_kwargs`` go to the chat template (e.g. ``tools=`` of a tool-calling
-    environment).
-    """
-    if truncation not in ("error", "left"):
-        raise DataError(f"prompt_truncation must be 'error' or 'left', not '{truncation}'")
-    encoded: list[list[int]] = []
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            ids = list(tokenizer(prompt)["input_ids"])
-        else:
-            if not getattr(tokenizer, "chat_template", None):
-                raise DataError(
-                    "prompts are chat messages but the tokenizer has no chat template; use a "
-                    "tokenizer with one (model.tokenizer) or plain-text prompts"
-                )
-            text = tokenizer.apply_chat_template(
-                list(prompt), tokenize=False, add_generation_prompt=True, **dict(chat_template_kwargs or {})
-            )
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if not ids:
-            raise DataError(f"prompt {index} is empty after tokenization")
-        if max_prompt_length is not None and len(ids) > max_prompt_length:
-            if truncation == "error":
-                raise PromptTooLongError(
-                    f"prompt {index} is {len(ids)} tokens long, over max_prompt_length="
-                    f"{max_prompt_length}; raise max_prompt_length or set prompt_truncation: left "
-                    "(keeps the last tokens)"
-                )
-            ids = ids[-max_prompt_length:]
-        encoded.append(ids)
-    return encoded
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: Any = None) -> tuple[Tensor, Tensor]:

@@ -268,8 +268,8 @@ class Environment:
 
     def encode_prompts(self, prompts: list[Any], max_prompt_length: int | None, truncation: str) -> list[list[int]]:
         """The token ids of each prompt (chat messages through the chat template); the default
-        is the core's :func:`grpo_plugins.data.encode_prompts`."""
-        from grpo_plugins.data import encode_prompts
+        is the core's :func:`grpo_plugins.prompt_encoding.encode_prompts`."""
+        from grpo_plugins.prompt_encoding import encode_prompts
 
         return encode_prompts(
             self.tokenizer, prompts, max_prompt_length=max_prompt_length, truncation=truncation,  # type: ignore[arg-type]

@@ -1,15 +1,19 @@
-"""The model being trained as the rollout and the micro-steps see it (:class:`Policy`), and the
-padding both trim off before a forward (:func:`trim_padding`)."""
+"""The model being trained as the rollout and the micro-steps see it (:class:`Policy`), the
+padding both trim off before a forward (:func:`trim_padding`), and how a micro-batch's forwards
+are split into passes (:func:`plan_passes`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from grpo_plugins.config import GRPOConfig
 
 
 @dataclass
@@ -60,3 +64,60 @@ def trim_padding(
         ids = torch.cat([ids.new_zeros(ids.shape[0], pad), ids], dim=1)
         mask = torch.cat([mask.new_zeros(mask.shape[0], pad), mask], dim=1)
     return ids, mask, t
+
+
+@dataclass(frozen=True)
+class MicroBatchPasses:
+    """How the forwards of one micro-batch run: its rows, trimmed together, in the order of the
+    passes (longest first when ``group_by_length`` splits them), and each pass's rows.
+
+    The training step and the old/reference log-prob passes use the same plan, so every row sees
+    the same input (the same neighbours and padding) in both, and their log-probs agree exactly.
+
+    Attributes:
+        ids: (B, P'+t) the micro-batch's token ids, in pass order.
+        attention_mask: (B, P'+t), in pass order.
+        t: completion columns kept for the micro-batch.
+        order: (B,) the micro-batch row each pass-order row comes from, or None (unchanged).
+        chunks: consecutive slices of the pass order, one per forward.
+    """
+
+    ids: Tensor
+    attention_mask: Tensor
+    t: int
+    order: Tensor | None
+    chunks: list[slice]
+
+    def pass_inputs(self, chunk: slice, multiple: int) -> tuple[Tensor, Tensor, int]:
+        """(ids, attention_mask, completion width) of one pass: with several passes, each cut to
+        its own longest prompt and completion (at least two completion columns when ``t`` has)."""
+        if len(self.chunks) == 1:
+            return self.ids, self.attention_mask, self.t
+        return trim_padding(self.ids[chunk], self.attention_mask[chunk], self.t, multiple, min_t=min(2, self.t))
+
+    def in_pass_order(self, x: Tensor) -> Tensor:
+        """``x`` (B, ...) of the micro-batch's rows, reordered as the passes see them."""
+        return x if self.order is None else x[self.order]
+
+
+def plan_passes(
+    input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int, chunk_rows: int | None, split: bool
+) -> MicroBatchPasses:
+    """The :class:`MicroBatchPasses` of one micro-batch (``input_ids`` (B, P+T) with T completion
+    columns): ``chunk_rows`` rows a pass at most, split by length when ``split``."""
+    from grpo_plugins.row_chunks import length_chunks
+
+    ids, att, t = trim_padding(input_ids, attention_mask, T, multiple)  # (B, P'+t)
+    completion = att[:, ids.shape[1] - t :].sum(1)  # (B,)
+    order, chunks = length_chunks((att.sum(1) - completion).tolist(), completion.tolist(), chunk_rows, split=split)
+    if order == sorted(order):
+        return MicroBatchPasses(ids, att, t, None, chunks)
+    rows = torch.as_tensor(order, device=ids.device)
+    return MicroBatchPasses(ids[rows], att[rows], t, rows, chunks)
+
+
+def groups_by_length(config: GRPOConfig) -> bool:
+    """Whether a micro-batch's rows are split into passes by length (``group_by_length``): not
+    with ``top_entropy_quantile < 1``, whose quantile is taken over the rows of one pass, nor
+    under FSDP, whose processes gather each layer together and so must make the same passes."""
+    return config.group_by_length and config.top_entropy_quantile >= 1.0 and config.fsdp is None

@@ -26,7 +26,7 @@ from grpo_plugins.dynamic_sampling import refill
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.metrics import MetricsWriter, completion_metrics, reward_metrics
-from grpo_plugins.policy import Policy, trim_padding
+from grpo_plugins.policy import Policy, groups_by_length, plan_passes
 from grpo_plugins.prompts import PromptSource
 from grpo_plugins.rollout_batches import Rollout, Round, Share
 from grpo_plugins.scoring import raise_if_any_failed, score_episodes, with_info
@@ -324,24 +324,26 @@ class RolloutMaker:
     def batch_logps(self, rollout: Rollout, model: Any, steps: list[Step]) -> Tensor:
         """(L, T) log-probs of the whole share, one micro-batch at a time, without gradients."""
         from grpo_plugins.logprobs import completion_logps
-        from grpo_plugins.row_chunks import row_chunks
 
         cfg = self.config
         T = rollout.loss_mask.shape[1]
         out = torch.zeros_like(rollout.loss_mask)  # (L, T)
         with torch.no_grad(), self.accelerator.autocast(), self.policy.layers():
             for step in steps[: self.plan.steps_per_generation]:
-                # Trimmed per micro-batch, as in the training step, so each row sees the same input.
-                ids, att, t = trim_padding(
-                    rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self.policy.multiple
+                # The training step's own passes, so each row sees the same input in both.
+                passes = plan_passes(
+                    rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self.policy.multiple,
+                    cfg.train_chunk_rows, split=groups_by_length(cfg),
                 )
                 rows = out[step.rows]  # (B, T) view
-                for c in row_chunks(ids.shape[0], cfg.train_chunk_rows):
+                for c in passes.chunks:
+                    ids, att, w = passes.pass_inputs(c, self.policy.multiple)
                     logps, _ = completion_logps(
-                        model, ids[c], att[c], t, temperature=cfg.temperature,
+                        model, ids, att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, chunk_fn=self.policy.chunk_fn,
-                    )  # (b, t)
-                    rows[c, :t] = logps.float()
+                    )  # (b, w)
+                    where = c if passes.order is None else passes.order[c]
+                    rows[where, :w] = logps.float()
         return out
 
     def _log_completions(

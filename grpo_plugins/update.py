@@ -25,7 +25,7 @@ from grpo_plugins.config import GRPOConfig
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.objective import BONUS_ENTROPY, LossMetrics, Objective
 from grpo_plugins.precision import MasterWeights
-from grpo_plugins.policy import Policy, trim_padding
+from grpo_plugins.policy import Policy, groups_by_length, plan_passes
 from grpo_plugins.rollout_batches import Rollout
 
 
@@ -130,34 +130,20 @@ class PolicyUpdate:
         ``window``."""
         from grpo_plugins.logprobs import completion_logps
         from grpo_plugins.objective import compute_loss
-        from grpo_plugins.row_chunks import ChunkedReduction, length_chunks
+        from grpo_plugins.row_chunks import ChunkedReduction
 
         acc, cfg, policy = self.accelerator, self.config, self.policy
         r = step.rows
-        T = rollout.loss_mask.shape[1]
-        ids, att, t = trim_padding(rollout.input_ids[r], rollout.attention_mask[r], T, policy.multiple)  # (B, P'+t)
-        P = ids.shape[1] - t
-        lengths = att.sum(1)  # (B,)
-        completion = att[:, P:].sum(1)  # (B,)
-        order, chunks = length_chunks(
-            (lengths - completion).tolist(), completion.tolist(), cfg.train_chunk_rows,
-            # The quantile of top_entropy_quantile is taken over the rows of one pass; FSDP's
-            # processes gather each layer together, so they must make the same number of passes.
-            split=cfg.group_by_length and cfg.top_entropy_quantile >= 1.0 and cfg.fsdp is None,
+        passes = plan_passes(
+            rollout.input_ids[r], rollout.attention_mask[r], rollout.loss_mask.shape[1], policy.multiple,
+            cfg.train_chunk_rows, split=groups_by_length(cfg),
         )
-        rows = torch.as_tensor(order, device=ids.device) if order != sorted(order) else None
-        if rows is not None:  # longest first, so that each chunk is cut to its own length
-            ids, att = ids[rows], att[rows]
-        mask = rollout.loss_mask[r, :t]  # (B, t)
-        advantages = rollout.advantages[r]  # (B,)
-        if rows is not None:
-            mask, advantages = mask[rows], advantages[rows]
+        t, chunks = passes.t, passes.chunks
+        mask = passes.in_pass_order(rollout.loss_mask[r, :t])  # (B, t)
+        advantages = passes.in_pass_order(rollout.advantages[r])  # (B,)
 
         def cut(x: Tensor | None, c: slice, width: int) -> Tensor | None:
-            if x is None:
-                return None
-            x = x[r, :t]
-            return (x[rows] if rows is not None else x)[c, :width]
+            return None if x is None else passes.in_pass_order(x[r, :t])[c, :width]
 
         losses: list[Tensor] = []
         metrics: list[LossMetrics] = []
@@ -173,13 +159,12 @@ class PolicyUpdate:
             # DDP syncs gradients once, on the backward that ends the accumulation window.
             last = i == len(chunks) - 1
             sync = contextlib.nullcontext() if step.optimizer_update and last else acc.no_sync(policy.model)
-            if len(chunks) > 1:  # the chunk cut to its own longest prompt and completion
-                chunk_ids, chunk_att, w = trim_padding(ids[c], att[c], t, policy.multiple, min_t=min(2, t))
+            chunk_ids, chunk_att, w = passes.pass_inputs(c, policy.multiple)
+            chunk_objective = objective
+            if len(chunks) > 1:
                 chunk_objective = dataclasses.replace(
                     objective, loss_type=ChunkedReduction(objective.loss_type, mask, advantages, c)
                 )
-            else:
-                chunk_ids, chunk_att, w, chunk_objective = ids, att, t, objective
             chunk_mask = mask[c, :w]  # (b, w)
             # Backward inside layers() too: activation checkpointing recomputes the layers then.
             with sync, policy.layers():

@@ -168,3 +168,39 @@ def test_grouped_passes_are_narrower_and_give_the_same_gradient(tiny_model: dict
         assert scale > 0
         for a, b in zip(step_whole, step_grouped, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale)
+
+
+def test_the_first_step_of_a_cycle_sees_its_old_log_probs_exactly(tiny_model: dict, tmp_path: Path, monkeypatch: Any) -> None:
+    # The old log-prob pass makes the training step's own passes (same rows together, same
+    # padding), so before the first update of a cycle the ratio is exactly 1, grouped or not.
+    import grpo_plugins.objective as objective
+
+    _reply.count = 0  # type: ignore[attr-defined]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    original = objective.compute_loss
+
+    def recording(per_token_logps: Any, old: Any, advantages: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((per_token_logps.detach().clone(), None if old is None else old.clone(), mask.clone()))
+        return original(per_token_logps, old, advantages, mask, *args, **kwargs)
+
+    monkeypatch.setattr(objective, "compute_loss", recording)
+    model, tok = load_model(tiny_model, dtype="float32", seed=0)
+
+    class Scripted(ScriptedGenerator):
+        def __init__(self) -> None:
+            super().__init__(_reply)
+
+    config = {
+        "model": tiny_model, "task": None, "output_dir": str(tmp_path / "out"), "max_steps": 2,
+        "per_device_train_batch_size": 16, "steps_per_generation": 2, "num_generations": 4,
+        "max_completion_length": 40, "learning_rate": 1e-3, "report_to": [], "seed": 0, "generator": "lengths",
+    }
+    with registered_component("generator", Scripted, "lengths"):
+        Engine(config, model=model, tokenizer=tok, rewards=[_score], dataset=PROMPTS * 2).train()
+    # Step 1 (one micro-batch of the cycle's two) runs before any update: its passes ...
+    first_cycle = [s for s in seen[: len(seen) // 2]]
+    assert len(first_cycle) > 1  # ... are several, grouped by length
+    for logps, old, mask in first_cycle:
+        assert old is not None and logps.shape == old.shape
+        active = mask != 0
+        assert torch.equal(logps[active], old[active])

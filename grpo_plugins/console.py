@@ -15,6 +15,8 @@ run's output; :func:`show_library_output` (the command line's ``--debug``) lets 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import math
 import sys
@@ -105,28 +107,16 @@ def quiet_libraries() -> Iterator[None]:
     restore: list[Any] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(drop_known_noise())
-        try:
-            import transformers.utils.logging as tf_logging
-
-            if tf_logging.is_progress_bar_enabled():
-                tf_logging.disable_progress_bar()
-                restore.append(tf_logging.enable_progress_bar)
-            level = tf_logging.get_verbosity()
-            tf_logging.set_verbosity_error()
-            restore.append(lambda: tf_logging.set_verbosity(level))
-        except ImportError:
-            pass
-        try:
-            import datasets.utils.logging as ds_logging
-
-            if ds_logging.is_progress_bar_enabled():
-                ds_logging.disable_progress_bar()
-                restore.append(ds_logging.enable_progress_bar)
-            ds_level = ds_logging.get_verbosity()
-            ds_logging.set_verbosity_error()
-            restore.append(lambda: ds_logging.set_verbosity(ds_level))
-        except ImportError:
-            pass
+        for name in ("transformers.utils.logging", "datasets.utils.logging"):  # the same logging API
+            try:
+                lib = importlib.import_module(name)
+            except ImportError:
+                continue
+            if lib.is_progress_bar_enabled():
+                lib.disable_progress_bar()
+                restore.append(lib.enable_progress_bar)
+            restore.append(functools.partial(lib.set_verbosity, lib.get_verbosity()))
+            lib.set_verbosity_error()
         try:
             import huggingface_hub.utils as hub_utils
 

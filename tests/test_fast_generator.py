@@ -57,14 +57,40 @@ def _teacher_forced_logps(model, prompt, completion, temperature=1.0):
     return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
+@pytest.mark.parametrize("window_step", [128, 5])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_tokens_match_model_generate(arch: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_tokens_match_model_generate(arch: str, window_step: int, request: pytest.FixtureRequest) -> None:
+    """Also with attention windows of 5 slots (five graphs, the cache read only up to the
+    window holding the current token)."""
     model, _ = request.getfixturevalue(arch)
-    decoder = StaticDecoder(model, SamplingSettings(max_completion_length=24, top_k=1), [2], 0, prompt_multiple=16)
+    sampling = SamplingSettings(max_completion_length=24, top_k=1)
+    decoder = StaticDecoder(model, sampling, [2], 0, prompt_multiple=16, window_step=window_step)
     ids, mask, truncated, _ = decoder.generate(PROMPTS)
     reference = _reference_generate(model, PROMPTS, 24, eos_id=2)
     assert ids.shape == reference.shape
     assert torch.equal(ids, reference)
+
+
+def test_attention_windows_cover_the_cache_in_steps() -> None:
+    from grpo_plugins.generators.static_decode import attention_windows
+
+    assert attention_windows(64, 1024) == [64 + 128 * j for j in range(1, 8)] + [64 + 1023]
+    assert attention_windows(16, 24, 5) == [21, 26, 31, 36, 39]
+    assert attention_windows(16, 100) == [115]  # shorter than one step: one window
+    long = attention_windows(64, 8192)
+    assert len(long) == 16 and long[-1] == 64 + 8191  # the step widens to keep 16 graphs
+
+
+def test_attention_windows_sample_what_one_whole_cache_window_samples(qwen2: tuple) -> None:
+    """Same seed, same tokens; log-probs equal up to float rounding of the shorter reductions."""
+    model, _ = qwen2
+    sampling = SamplingSettings(max_completion_length=20, temperature=0.8)
+    torch.manual_seed(5)
+    whole = StaticDecoder(model, sampling, [], 0, prompt_multiple=8, window_step=1000).generate(PROMPTS)
+    torch.manual_seed(5)
+    windowed = StaticDecoder(model, sampling, [], 0, prompt_multiple=8, window_step=3).generate(PROMPTS)
+    assert torch.equal(whole[0], windowed[0])
+    torch.testing.assert_close(whole[3], windowed[3], atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_logps_equal_a_forward_pass(qwen2: tuple) -> None:
@@ -389,7 +415,8 @@ def test_compiled_decode_is_one_graph_per_function_across_layers_and_buckets(tin
     model.eval()
     sampling = SamplingSettings(max_completion_length=6, temperature=0.7)
     counter = CompileCounter()
-    compiled = StaticDecoder(model, sampling, [2], 0, compile=True, compile_backend=counter, prompt_multiple=4)
+    # window_step 2: three attention windows of different widths per bucket, no recompile.
+    compiled = StaticDecoder(model, sampling, [2], 0, compile=True, compile_backend=counter, prompt_multiple=4, window_step=2)
     eager = StaticDecoder(model, sampling, [2], 0, compile=False, prompt_multiple=4)
     # Buckets (3 rows, 4 columns), (5 rows, 8 columns), (7 rows, 12 columns); row counts differ
     # from every head count of the model, which dynamic shapes would otherwise unify with them.

@@ -9,8 +9,10 @@ seen by the captured graph at once. Supported: Llama-style decoders (``llama``, 
 
 Layout. Prompts are left-padded to ``P`` (a bucket), the batch to ``B`` rows (a bucket); the cache
 holds ``S = P + T`` positions per layer, ``T`` = max completion length. Every decode step has the
-same shapes: it writes the new key/value at cache index ``cur`` and attends over all ``S``
-positions under a validity mask, which is what lets one captured graph serve every step.
+same shapes: it writes the new key/value at cache index ``cur`` and attends over a window of the
+first ``W`` positions under a validity mask. One graph is captured per window (W = P + a multiple
+of :func:`attention_windows`' step, sharing one cache and memory pool), and each step replays the
+smallest window that holds ``cur``: a step reads only about the part of the cache written so far.
 
 This module runs the loop (:class:`StaticDecoder`); the model's parts and merged weights are in
 :mod:`~grpo_plugins.generators.static_layers`, the prefill and decode step in
@@ -56,6 +58,7 @@ __all__ = [
     "MergedLayer",
     "StaticDecoder",
     "UnsupportedModelError",
+    "attention_windows",
     "batch_bucket",
     "bucket",
     "check_supported",
@@ -81,10 +84,33 @@ def batch_bucket(n: int) -> int:
     return max(8, 1 << (max(n, 1) - 1).bit_length())
 
 
+def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[int]:
+    """The attention windows (cache slots read) of the decode graphs for prompts of ``P`` and
+    completions of ``T`` tokens: ``P + step``, ``P + 2 step``, ... up to ``P + T - 1`` (the last
+    token fed back sits at cache index ``P + T - 2``), the step widened so that there are at
+    most ``most`` windows. Every window is narrower than the cache (``P + T`` slots), so one
+    compiled layer serves them all: a window as wide as the cache would be traced differently."""
+    n = max(1, T - 1)
+    step = max(step, math.ceil(n / most))
+    return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
+
+
 @dataclass
 class _Graph:
+    """The decode steps of one (batch, prompt, completion) bucket: one replay per attention
+    window, ascending, all over the same :class:`DecodeState`."""
+
     state: DecodeState
-    replay: Callable[[], None]
+    windows: list[int]
+    replays: list[Callable[[], None]]
+
+    def replay(self, cur: int) -> None:
+        """One decode step feeding cache index ``cur``: the smallest window that holds it."""
+        for window, replay in zip(self.windows, self.replays):
+            if cur < window:
+                replay()
+                return
+        raise AssertionError(f"cache index {cur} beyond the last window {self.windows[-1]}")
 
 
 def join_parts(parts: list[tuple[torch.Tensor, ...]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -135,6 +161,8 @@ class StaticDecoder:
             ``generate``.
         max_batch_rows: decode at most this many rows at a time (None: all at once); a longer
             batch is decoded in consecutive parts, so the KV cache holds this many rows.
+        window_step: cache slots added from one attention window to the next (one captured
+            graph per window, at most 16 per bucket).
         compile_backend: the ``torch.compile`` backend (``aot_eager`` in CPU tests).
         merge_weights: decode from :class:`MergedLayer` copies of the projection weights (LoRA
             deltas merged, q/k/v and gate/up fused), refreshed before each ``generate``; costs one
@@ -160,8 +188,10 @@ class StaticDecoder:
         compile_backend: str = "inductor",
         merge_weights: bool | None = None,
         max_batch_rows: int | None = None,
+        window_step: int = 128,
     ) -> None:
         self.model = model
+        self.window_step = window_step
         self.max_batch_rows = max_batch_rows
         self.parts = check_supported(model)
         self.sampling = sampling
@@ -219,35 +249,45 @@ class StaticDecoder:
         st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
         step = self._step_fn()
         args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
+        windows = attention_windows(P, T, self.window_step)
+        eager = [functools.partial(step, *args, window=w) for w in windows]
+        entry = _Graph(st, windows, eager)
         if device.type == "cuda" and self.cuda_graph:
-            # Warm up (and compile) on a side stream, then capture one step. The counters the
-            # warm-up advanced are reset by every generate() before the first replay.
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    st.cur.zero_()
-                    st.step.zero_()
-                    step(*args)
-            torch.cuda.current_stream(device).wait_stream(side)
-            st.cur.zero_()
-            st.step.zero_()
-            graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
-                    step(*args)
-                entry = _Graph(st, graph.replay)
+                entry = _Graph(st, windows, self._capture(st, eager, device))
             except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
                 logger.warning(
                     "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
                     "without a graph from now on", str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
                 )
                 self.cuda_graph = False
-                entry = _Graph(st, lambda: step(*args))
-        else:
-            entry = _Graph(st, lambda: step(*args))
         self._graphs[key] = entry
         return entry
+
+    @staticmethod
+    def _capture(st: DecodeState, steps: list[Callable[[], None]], device: torch.device) -> list[Callable[[], None]]:
+        """Capture each of ``steps`` (one per attention window) in a CUDA graph; the graphs share
+        one memory pool, as they never run at the same time and keep nothing between replays."""
+        # Warm up (and compile) on a side stream, then capture. The counters the warm-ups
+        # advance are reset by every generate() before the first replay.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for step in steps:
+                for _ in range(3):
+                    st.cur.zero_()
+                    st.step.zero_()
+                    step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graphs: list[torch.cuda.CUDAGraph] = []
+        for step in steps:
+            st.cur.zero_()
+            st.step.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+                step()
+            graphs.append(graph)
+        return [g.replay for g in graphs]
 
     def clear(self) -> None:
         """Drop every graph and cache (e.g. after the model's parameters were replaced)."""
@@ -357,7 +397,7 @@ class StaticDecoder:
             while steps < T:
                 if self.stop_at_eos and steps % self.check_every == 0 and bool(st.done.all()):
                     break
-                graph.replay()
+                graph.replay(P + steps - 1)  # feeds the token sampled last, at cache index P + steps - 1
                 steps += 1
         finally:
             self.model.train(was_training)

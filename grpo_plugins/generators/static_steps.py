@@ -187,21 +187,24 @@ def decode_layer(
     index: torch.Tensor,
 ) -> torch.Tensor:
     """One decoder layer for one new token per row: writes its key/value at cache index
-    ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over all S slots under ``bias``
-    (B, 1, 1, S). ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is
-    compiled once for the whole model."""
+    ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over the first W slots under
+    ``bias`` (B, 1, 1, W), W <= S (the attention window of the step, see :func:`decode_step`).
+    ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is compiled once
+    for the whole model."""
     B = h.shape[0]
     G = parts.num_heads // parts.num_kv_heads
+    W = bias.shape[-1]
     x = layer.input_layernorm(h)
     q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
     k_all.index_copy_(2, index, k)
     v_all.index_copy_(2, index, v)
+    keys, values = k_all[:, :, :W], v_all[:, :, :W]  # only the slots written so far are read
     # Grouped-query attention without repeating the cache: the G query heads that share a
-    # key/value head become G rows of one (G, D) x (D, S) product.
+    # key/value head become G rows of one (G, D) x (D, W) product.
     q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
-    scores = torch.matmul(q, k_all.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, S)
-    probs = scores.float().softmax(dim=-1).to(v_all.dtype)
-    o = torch.matmul(probs, v_all)  # (B, Hkv, G, D)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, W)
+    probs = scores.float().softmax(dim=-1).to(values.dtype)
+    o = torch.matmul(probs, values)  # (B, Hkv, G, D)
     h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -233,14 +236,19 @@ def decode_step(
     stop_at_eos: bool,
     layer_fn: Callable[..., torch.Tensor] = decode_layer,
     head_fn: Callable[..., None] = decode_head,
+    window: int | None = None,
 ) -> None:
     """One token for every row, entirely on the device and with fixed shapes (graph-capturable):
     feed ``st.token`` at cache index ``st.cur``, sample the next token, record it at column
     ``st.step``, and advance the counters. ``layer_fn`` / ``head_fn``: :func:`decode_layer` and
-    :func:`decode_head` or compiled versions of them."""
+    :func:`decode_head` or compiled versions of them. ``window``: attend over the first
+    ``window`` cache slots only (None: all S); the caller guarantees ``st.cur < window``. A step
+    reads its window of the KV cache instead of all of it, which at long completions is a large
+    share of a decode step's memory traffic."""
+    W = st.slots.shape[0] if window is None else window
     h = _embed(parts, st.token[:, None])  # (B, 1, H)
     cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
-    valid = st.key_valid & (st.slots <= st.cur)  # (B, S)
+    valid = st.key_valid[:, :W] & (st.slots[:W] <= st.cur)  # (B, W)
     bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))
     bias = bias[:, None, None, :]  # (B, 1, 1, S)
     index = st.cur.view(1)

@@ -159,7 +159,7 @@ class GRPOConfig(StrictModel):
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     master_weights: bool | None = Field(
         None,
-        description="The optimizer steps float32 copies of 16-bit (bf16/fp16) trainable weights and writes them back rounded, so small updates are not lost. None: on whenever trainable weights are 16-bit (full fine-tuning in bf16); LoRA adapters are float32 already.",
+        description="The optimizer steps float32 copies of 16-bit (bf16/fp16) trainable weights and writes them back rounded, so small updates are not lost. None: on whenever trainable weights are 16-bit (full fine-tuning in bf16, or LoRA with lora.dtype: model); LoRA adapters are float32 by default.",
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient-norm clipping; None disables.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: num_train_epochs over the data.")

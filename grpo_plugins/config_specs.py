@@ -47,6 +47,10 @@ class LoraSettings(StrictModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
     target_modules: list[str] | str = Field("all-linear", description="Module names, or 'all-linear'.")
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases are trained.")
+    dtype: Literal["float32", "model"] = Field(
+        "float32",
+        description="The adapters' storage and compute dtype: float32 (peft's default: every adapter product casts its input to float32) or model (the model's dtype, e.g. bfloat16: the adapter products run in 16 bits on the tensor cores, and the optimizer keeps float32 master copies of the adapters as for 16-bit full fine-tuning, unless master_weights: false).",
+    )
 
 
 class FSDPSettings(StrictModel):

@@ -270,7 +270,8 @@ def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any]) -
     try:
         with warnings.catch_warnings():  # peft still calls the renamed is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, peft_config)
+            # autocast_adapter_dtype=False leaves the adapters in the dtype of the layer they adapt.
+            return get_peft_model(model, peft_config, autocast_adapter_dtype=settings.dtype == "float32")
     except ValueError as exc:
         raise ModelLoadError(f"lora.target_modules: {exc}") from exc
 

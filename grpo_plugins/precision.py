@@ -11,7 +11,8 @@ of being thrown away, so many small updates add up.
 
 Cost: 4 bytes per trainable 16-bit parameter for the copy, plus float32 instead of 16-bit AdamW
 moments (4 more bytes per parameter), and one copy of the weights per optimizer step. LoRA
-adapters are already float32 (peft keeps them so), so a LoRA run needs no master copy.
+adapters are float32 by default (peft keeps them so) and are their own masters; with
+``lora.dtype: model`` they are 16-bit and get master copies like full fine-tuning's weights.
 """
 
 from __future__ import annotations

@@ -153,3 +153,34 @@ def test_master_weights_live_on_the_training_device_when_the_model_arrives_elsew
     model_devices = {p.device.type for p in policy.unwrapped.parameters()}
     stepped_devices = {p.device.type for group in policy.optimizer.param_groups for p in group["params"]}
     assert model_devices == {"meta"} and stepped_devices == {"meta"}
+
+
+def test_lora_in_the_model_dtype_trains_16_bit_adapters_through_float32_masters(tiny_model: dict, tmp_path: Path) -> None:
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    default = _train(_config(tiny_model, tmp_path / "a", lora=lora, learning_rate=1e-4))
+    sixteen = _train(_config(tiny_model, tmp_path / "b", lora={**lora, "dtype": "model"}, learning_rate=1e-4))
+    adapters = [p for p in default.unwrapped.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    assert default.master is None  # float32 adapters are their own masters
+    adapters16 = [p for p in sixteen.unwrapped.parameters() if p.requires_grad]
+    assert len(adapters16) == len(adapters) and all(p.dtype == torch.bfloat16 for p in adapters16)
+    assert sixteen.master is not None
+    assert all(m.dtype == torch.float32 for m in sixteen.master.params)
+    # The adapters learned, and each 16-bit adapter is its master rounded to bfloat16.
+    for p, m in zip(adapters16, sixteen.master.params):
+        assert torch.equal(p.detach(), m.to(torch.bfloat16))
+    # lora_B starts at zero: its masters moved, so the 16-bit run learned.
+    names = [n for n, p in sixteen.unwrapped.named_parameters() if p.requires_grad]
+    b_masters = [m for n, m in zip(names, sixteen.master.params) if "lora_B" in n]
+    assert b_masters and all(float(m.abs().max()) > 0 for m in b_masters)
+
+
+def test_lora_dtype_is_validated() -> None:
+    import pydantic
+    import pytest
+
+    from grpo_plugins.config import GRPOConfig
+
+    assert GRPOConfig.model_validate({"lora": {"dtype": "model"}}).lora.dtype == "model"
+    with pytest.raises(pydantic.ValidationError, match="lora.dtype"):
+        GRPOConfig.model_validate({"lora": {"dtype": "bfloat16"}})

@@ -8,7 +8,8 @@ and prompt length are padded to buckets, so a run compiles and captures once per
 
 It samples with the trained model's own weights, read in place or, for LoRA models, from a
 copy with the adapters merged that is refreshed before each generation (equal up to one rounding
-to the model's dtype), so it needs no weight sync and no sampler/trainer correction. Models it cannot run (other architectures, sliding
+to the model's dtype), so it needs no weight sync and no sampler/trainer correction -- unless
+``fp8`` decodes from float8 copies, whose mismatch the rollout correction then corrects. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
 or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests). On a
 bitsandbytes-quantised base the step is not compiled unless asked (see :func:`decode_flags`).
@@ -75,10 +76,17 @@ class StaticCacheGenerator(Generator):
             description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases); false reads the model's own modules.",
         )
 
+        fp8: bool = Field(
+            False,
+            description="Decode from float8 (e4m3) copies of the merged projection weights, one scale per output channel, with the activations quantised to float8 per row (torch._scaled_mm; GPUs with float8 tensor cores: Ada, Hopper and newer): half the weight bytes a decode step reads. The sampler is then no longer exactly the trained policy, so vllm_importance_sampling_correction: auto turns the rollout correction on. The LM head and attention stay 16-bit.",
+        )
+
     samples_from_policy = True
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
+        # Sampling from float8 weights is sampling from a neighbour of the policy.
+        self.samples_from_policy = not self.params.fp8
         self.calls = 0
         self._decoder: StaticDecoder | None = None
         self._fallback: Generator | None = None
@@ -123,6 +131,7 @@ class StaticCacheGenerator(Generator):
             release_cache=self.params.release_cache,
             merge_weights=self.params.merge_weights,
             max_batch_rows=self.params.max_batch_rows,
+            fp8=self.params.fp8,
         )
 
     @contextlib.contextmanager

@@ -38,6 +38,7 @@ from grpo_plugins.generators.static_layers import (
     MergedLayer,
     UnsupportedModelError,
     check_supported,
+    fp8_supported,
     has_lora,
     merged_layers_supported,
 )
@@ -163,6 +164,8 @@ class StaticDecoder:
             batch is decoded in consecutive parts, so the KV cache holds this many rows.
         window_step: cache slots added from one attention window to the next (one captured
             graph per window, at most 16 per bucket).
+        fp8: decode from float8 (e4m3) merged copies of the projection weights (implies
+            ``merge_weights``; :class:`~grpo_plugins.generators.static_layers.FusedLinear`).
         compile_backend: the ``torch.compile`` backend (``aot_eager`` in CPU tests).
         merge_weights: decode from :class:`MergedLayer` copies of the projection weights (LoRA
             deltas merged, q/k/v and gate/up fused), refreshed before each ``generate``; costs one
@@ -189,6 +192,7 @@ class StaticDecoder:
         merge_weights: bool | None = None,
         max_batch_rows: int | None = None,
         window_step: int = 128,
+        fp8: bool = False,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -210,11 +214,20 @@ class StaticDecoder:
         self._compiled_step: Callable[..., None] | None = None
         self._merged: list[MergedLayer] | None = None
         reason = merged_layers_supported(self.parts)
+        if fp8:
+            if merge_weights is False:
+                raise GRPOPluginsError("generator 'static': fp8 decodes from merged weight copies; drop merge_weights: false")
+            merge_weights = True
+            unsupported = fp8_supported(self.parts.embed.weight.device)
+            if unsupported is not None:
+                raise GRPOPluginsError(f"generator 'static': fp8 cannot run here: {unsupported}; set fp8: false")
         if merge_weights is None:
             merge_weights = reason is None and has_lora(self.parts)
         elif merge_weights and reason is not None:
-            raise UnsupportedModelError(f"generator 'static': merge_weights needs mergeable layers, but {reason}")
+            what = "fp8" if fp8 else "merge_weights"
+            raise UnsupportedModelError(f"generator 'static': {what} needs mergeable layers, but {reason}")
         self.merge_weights = merge_weights
+        self.fp8 = fp8
 
     # -- graphs ---------------------------------------------------------------------------------
 
@@ -299,7 +312,7 @@ class StaticDecoder:
         if not self.merge_weights:
             return self.parts
         if self._merged is None:
-            self._merged = [MergedLayer(layer) for layer in self.parts.layers]
+            self._merged = [MergedLayer(layer, self.fp8) for layer in self.parts.layers]
             extra = sum(b.numel() * b.element_size() for m in self._merged for b in m.buffers())
             logger.info(
                 "generator 'static': decoding from merged, fused copies of the projection weights (%.2f GiB)",

@@ -104,19 +104,48 @@ def _mergeable(module: Any) -> bool:
     return True
 
 
+#: The largest magnitude float8 e4m3 represents.
+FP8_MAX = 448.0
+
+
+def fp8_supported(device: torch.device) -> str | None:
+    """None if float8 matrix products (``torch._scaled_mm`` with row-wise scales) run on
+    ``device``; else why not."""
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8 matrix product"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return f"{name} has no float8 tensor cores (Ada or Hopper, compute capability 8.9+, needed)"
+    return None
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (M, K) as float8 e4m3 with one float32 scale per row: ``(x8, scale)``, ``x ~= x8 * scale``."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
 class FusedLinear(torch.nn.Module):
     """A linear layer over a copy of one or more projections' weights, concatenated along the
     output dimension, with each source's active LoRA delta merged in (``W + scaling * B @ A``,
     rounded once to the model's dtype). :meth:`refresh` re-reads the sources (after optimizer
-    steps); the copy keeps its address, so a captured graph sees the new values."""
+    steps); the copy keeps its address, so a captured graph sees the new values.
 
-    def __init__(self, sources: list[Any]) -> None:
+    ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
+    quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
+    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
+    """
+
+    def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
         bases = [m.get_base_layer() if _is_lora(m) else m for m in sources]
         w0 = bases[0].weight
         self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
         self.sources = list(sources)  # a plain list: not submodules of this view
-        self.register_buffer("weight", torch.empty(sum(self.sizes), w0.shape[1], dtype=w0.dtype, device=w0.device))
+        self.fp8 = fp8
+        shape = (sum(self.sizes), w0.shape[1])
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else w0.dtype, device=w0.device))
+        self.register_buffer("scale", torch.ones(1, shape[0], dtype=torch.float32, device=w0.device) if fp8 else None)
         has_bias = any(b.bias is not None for b in bases)
         self.register_buffer("bias", torch.zeros(sum(self.sizes), dtype=w0.dtype, device=w0.device) if has_bias else None)
         self.refresh()
@@ -126,17 +155,21 @@ class FusedLinear(torch.nn.Module):
         row = 0
         for module, n in zip(self.sources, self.sizes):
             base = module.get_base_layer() if _is_lora(module) else module
-            target = self.weight[row : row + n]
             delta = None
             if _is_lora(module) and not module.disable_adapters and not module.merged:
                 for name in module.active_adapters:
                     if name in module.lora_A:
                         d = module.get_delta_weight(name).float()
                         delta = d if delta is None else delta + d
-            if delta is None:
-                target.copy_(base.weight)
+            merged = base.weight if delta is None else base.weight.float() + delta
+            if self.fp8:
+                # Rounded to the model's dtype first, as the 16-bit copy is: float8 then
+                # quantises exactly the weights the 16-bit decode would read.
+                weight8, scale = quantize_rows(merged.to(base.weight.dtype))
+                self.weight[row : row + n].copy_(weight8)
+                self.scale[0, row : row + n].copy_(scale[:, 0])
             else:
-                target.copy_(base.weight.float() + delta)
+                self.weight[row : row + n].copy_(merged)
             if self.bias is not None:
                 if base.bias is None:
                     self.bias[row : row + n].zero_()
@@ -145,24 +178,30 @@ class FusedLinear(torch.nn.Module):
             row += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.fp8:
+            return F.linear(x, self.weight, self.bias)
+        x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
+        if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class _MergedAttention(torch.nn.Module):
-    def __init__(self, attn: Any) -> None:
+    def __init__(self, attn: Any, fp8: bool) -> None:
         super().__init__()
-        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fp8)
         self.qkv_sizes = self.qkv_proj.sizes
-        self.o_proj = FusedLinear([attn.o_proj])
+        self.o_proj = FusedLinear([attn.o_proj], fp8)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
 
 
 class _MergedMLP(torch.nn.Module):
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, fp8: bool) -> None:
         super().__init__()
-        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = FusedLinear([mlp.down_proj])
+        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj], fp8)
+        self.down_proj = FusedLinear([mlp.down_proj], fp8)
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,15 +211,15 @@ class _MergedMLP(torch.nn.Module):
 
 class MergedLayer(torch.nn.Module):
     """What the decode loop reads of one decoder layer, with the projections replaced by
-    :class:`FusedLinear` copies (q/k/v fused, gate/up fused, LoRA merged); the norms are the
-    layer's own modules."""
+    :class:`FusedLinear` copies (q/k/v fused, gate/up fused, LoRA merged; float8 with ``fp8``);
+    the norms are the layer's own modules."""
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, fp8: bool = False) -> None:
         super().__init__()
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
-        self.self_attn = _MergedAttention(layer.self_attn)
-        self.mlp = _MergedMLP(layer.mlp)
+        self.self_attn = _MergedAttention(layer.self_attn, fp8)
+        self.mlp = _MergedMLP(layer.mlp, fp8)
 
     def refresh(self) -> None:
         for module in self.modules():

@@ -11,7 +11,9 @@ For each variant it builds the model, generates once (compiles, captures the gra
 Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), ``static``
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
-``merge_weights`` forced on / off (by default on for LoRA models only).
+``merge_weights`` forced on / off (by default on for LoRA models only); ``fp8``: ``dynamic``
+decoding from float8 weight copies; ``onewindow``: ``dynamic`` with one attention window over
+the whole cache (every step reads all of it, as before attention windows).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -41,6 +43,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {"compile": False},
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
+    "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
+    "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
 }
 
 
@@ -50,7 +54,9 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
     sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
     dec = StaticDecoder(
-        model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False, merge_weights=variant.get("merge_weights")
+        model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
+        merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
+        window_step=variant.get("window_step", 128),
     )
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}

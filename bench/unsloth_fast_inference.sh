@@ -36,7 +36,7 @@ say() { echo "=== $(date +%T) [$SECONDS s] $*" | tee -a "$LOG"; }
 left() { echo $((DEADLINE - SECONDS)); }
 
 # --- the two environments -------------------------------------------------------------------
-SITE=/tmp/site USITE=/tmp/usite MODELS=/tmp/bench_models
+SITE=${UFI_SITE:-/tmp/site} USITE=${UFI_USITE:-/tmp/usite} MODELS=${UFI_MODELS:-/tmp/bench_models}
 if [ ! -f "$SITE/vllm/__init__.py" ]; then
   part0=$(ls "${VLLM_PART0_DIR:-/root/vp}"/*.part0 2>/dev/null | head -1)
   part1=$(ls .vllm2/*.part1 2>/dev/null | head -1)

@@ -260,13 +260,16 @@ def vllm_engine_facts(llm: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace, result: dict[str, Any], out_path: Path | None) -> None:
     """The benchmark; fills ``result`` as it goes (the caller writes it, also on failure)."""
 
-    def stage(name: str) -> None:
-        result["stage"] = name
-        print(f"=== {time.strftime('%H:%M:%S')} {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    def save() -> None:
         if out_path is not None:
             from bench._common import write_json
 
             write_json(out_path, result)  # a killed process still leaves the stage it reached
+
+    def stage(name: str) -> None:
+        result["stage"] = name
+        print(f"=== {time.strftime('%H:%M:%S')} {name} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        save()
 
     t0 = time.perf_counter()
     if args.fast_inference:
@@ -320,6 +323,8 @@ def run(args: argparse.Namespace, result: dict[str, Any], out_path: Path | None)
     micro_rows = args.micro_rows or args.rows
     result["micro_rows"] = micro_rows
 
+    if out_path is not None:  # from here on, also while vLLM starts
+        watch_memory(out_path.with_name(out_path.stem + ".progress.jsonl"))
     stage("FastLanguageModel.from_pretrained")
     result["before_load"] = memory_now()
     if args.fast_inference:
@@ -386,6 +391,7 @@ def run(args: argparse.Namespace, result: dict[str, Any], out_path: Path | None)
             calls_at_end.append(len(generate_calls))
             result["step_times"] = [b - a for a, b in zip([start, *ends[:-1]], ends)]
             print(f"=== {time.strftime('%H:%M:%S')} step {len(ends)} ended: {result['step_times'][-1]:.2f} s", flush=True)
+            save()
             if len(ends) == args.warmup and torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()  # the peak of the measured steps only
 
@@ -423,8 +429,6 @@ def run(args: argparse.Namespace, result: dict[str, Any], out_path: Path | None)
         getattr(generation, "llm", None) is engine if engine is not None else None
     )
 
-    if out_path is not None:
-        watch_memory(out_path.with_name(out_path.stem + ".progress.jsonl"))
     stage("train")
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -151,8 +151,9 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     }
 
 
-class Stopped(Exception):
-    """Raised from the SIGTERM handler (``timeout`` stops the run), so the JSON is still written."""
+class Stopped(BaseException):
+    """Raised from the SIGTERM handler (``timeout`` stops the run), so the JSON is still written; a
+    BaseException, as KeyboardInterrupt is, so that the libraries' ``except Exception`` let it pass."""
 
 
 def _stop(signum: int, frame: Any) -> None:

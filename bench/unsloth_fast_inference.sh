@@ -14,7 +14,7 @@
 # (Unsloth, unsloth_zoo, TRL 1.15, datasets 4.8.5, bitsandbytes) into /tmp/usite, which comes first
 # on PYTHONPATH; both are reused when a run before left them there.
 #
-# Each run has a timeout; the whole script stops by DEADLINE seconds (default 570, under a 600 s
+# Each run has a timeout; the whole script ends by DEADLINE seconds (default 550, under a 600 s
 # call). A run that was stopped or failed still writes its JSON with the stage it reached and the
 # error (type, message, failing frame). The 7B run starts only with at least MIN_7B seconds left
 # (default 150); its random model is saved by a low-priority CPU process while the 0.5B run goes on
@@ -24,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS=0
-DEADLINE=${DEADLINE:-570}
+DEADLINE=${DEADLINE:-550}
 MIN_7B=${MIN_7B:-150}
 PY=${PYTHON:-python3}
 OUT=${OUT:-outputs/bench/unsloth-fast}
@@ -95,7 +95,7 @@ esac
 run() {
   local name=$1 limit=$2; shift 2
   say "run $name (timeout ${limit} s): bench/bench_unsloth.py $*"
-  timeout -k 20 "$limit" "$PY" bench/bench_unsloth.py "$@" --out "$OUT/unsloth_fast_$name.json" > "$OUT/unsloth_fast_$name.log" 2>&1
+  timeout -k 15 "$limit" "$PY" bench/bench_unsloth.py "$@" --out "$OUT/unsloth_fast_$name.json" > "$OUT/unsloth_fast_$name.log" 2>&1
   local rc=$?
   say "run $name exited with $rc"
   grep -E "^=== (FAILED|at |in )|^WARNING|^\{\"framework" "$OUT/unsloth_fast_$name.log" | tail -n 12 | tee -a "$LOG"
@@ -105,14 +105,14 @@ COMMON=(--fast-inference --lora 16 --tokens 1024 --rows 64 --match-ours)
 for r in $RUNS; do
   case $r in
     0.5b)
-      limit=$(( $(left) - 10 ))  # the 0.5B result comes first: the 7B run gets what it leaves
+      limit=$(( $(left) - 25 ))  # the 0.5B result comes first: the 7B run gets what it leaves
       if [ "$limit" -lt 60 ]; then say "run 0.5b: not started, $(left) s left"; continue; fi
       run 0.5b "$limit" "${COMMON[@]}" --shape qwen2.5-0.5b --steps 3 --warmup 1 --model-dir "$MODELS/qwen2.5-0.5b" ;;
     7b)
       if [ -n "$SAVER" ]; then say "waiting for the 7B model to be saved"; wait "$SAVER"; fi
       if [ ! -f "$MODELS/qwen2.5-7b/config.json" ]; then say "run 7b: not started, the random model was not saved (driver.log)"; continue; fi
       if [ "$(left)" -lt "$MIN_7B" ]; then say "run 7b: not started, $(left) s left (MIN_7B=$MIN_7B)"; continue; fi
-      run 7b $(( $(left) - 10 )) "${COMMON[@]}" --shape qwen2.5-7b --steps "${STEPS_7B:-2}" --warmup 1 --model-dir "$MODELS/qwen2.5-7b" ;;
+      run 7b $(( $(left) - 25 )) "${COMMON[@]}" --shape qwen2.5-7b --steps "${STEPS_7B:-2}" --warmup 1 --model-dir "$MODELS/qwen2.5-7b" ;;
   esac
 done
 kill "$WATCHER" 2>/dev/null

@@ -60,8 +60,6 @@ def build_generator(
     if vision and not getattr(generator, "accepts_images", False):
         raise GRPOPluginsError(image_generator_problem(ref.name))
     if config.generation_kwargs and not getattr(generator, "accepts_generation_kwargs", False):
-        from grpo_plugins.errors import GRPOPluginsError
-
         raise GRPOPluginsError(
             f"generation_kwargs are not supported by the '{ref.name}' generator; use generator: transformers "
             "or vllm, or remove generation_kwargs"

@@ -7,6 +7,7 @@ given images fails with one clear message."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from grpo_plugins.config import ConfigError
 from grpo_plugins.engine import Engine
 from grpo_plugins.errors import GRPOPluginsError, TrainingError
 from grpo_plugins.image_prompts import load_image
+from grpo_plugins.metrics import read_metrics
 from grpo_plugins.testing.tiny_vision import VISION_ARCHS, build_tiny_vlm, save_tiny_vlm, tiny_image
 from grpo_plugins.validation import validate_config
 
@@ -63,9 +65,11 @@ def test_images_train_on_policy_with_a_ratio_of_exactly_one(arch: str, tmp_path:
     monkeypatch.setattr(objective, "compute_loss", recording)
     images_seen: list[Any] = []
 
-    def reward(completions: list[Any], image: list[Any], **kwargs: Any) -> list[float]:
+    def reward(prompts: list[Any], completions: list[Any], image: list[Any], **kwargs: Any) -> list[float]:
         images_seen.extend(image)
-        return image_reward(completions, image)
+        varied = image_reward(completions, image)
+        # Every other prompt's group scores all alike: drop_zero_std drops it and refills.
+        return [1.0 if p[0]["content"][1]["text"].count("?") % 2 == 0 else v for p, v in zip(prompts, varied)]
 
     model, processor = build_tiny_vlm(arch)
     vision = {n: p.detach().clone() for n, p in model.named_parameters() if "lm_head" not in n and "language_model" not in n and "text_model" not in n}
@@ -75,6 +79,7 @@ def test_images_train_on_policy_with_a_ratio_of_exactly_one(arch: str, tmp_path:
     )
     engine = Engine(config, model=model, tokenizer=processor, rewards=[reward], dataset=_data(8))
     engine.train()
+    assert sum(r["group_filter/groups_dropped"] for r in read_metrics(tmp_path / "out")) > 0
     # The cycle's first step runs before any update: its passes see the old log-probs exactly.
     first = seen[: len(seen) // 2]
     assert len(first) > 1  # several row chunks
@@ -162,3 +167,42 @@ def test_a_vision_model_refuses_the_static_generator_and_a_folder_without_its_pr
     with pytest.raises(GRPOPluginsError, match=r"generator 'static' does not support prompts with images"):
         Engine({**_config(tmp_path / "out"), "generator": "static"}, model=model, tokenizer=processor,
                rewards=[image_reward], dataset=_data()).train()
+
+
+@pytest.mark.parametrize("train_vision_tower", [False, True])
+def test_full_fine_tuning_trains_the_vision_tower_only_when_asked(train_vision_tower: bool, tmp_path: Path) -> None:
+    model, processor = build_tiny_vlm("idefics3")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = _config(tmp_path / "out", max_steps=1, steps_per_generation=1, train_vision_tower=train_vision_tower)
+    Engine(config, model=model, tokenizer=processor, rewards=[image_reward], dataset=_data()).train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    vision = {n for n in before if ".vision_model." in n or ".connector." in n}
+    assert any(n.startswith("model.text_model.") for n in changed)
+    assert bool(changed & vision) is train_vision_tower
+
+
+def test_empty_slots_of_dynamic_sampling_keep_the_images_of_the_rows_they_borrow(tmp_path: Path, monkeypatch: Any) -> None:
+    from grpo_plugins.policy import Policy
+
+    passes: list[tuple[list[int], int]] = []  # (prompt indices, images) of every log-prob/training pass
+    original = Policy.image_inputs
+
+    def recording(self: Any, prompt_index: Any, ids: torch.Tensor, t: int) -> dict[str, torch.Tensor]:
+        inputs = original(self, prompt_index, ids, t)
+        passes.append((list(prompt_index), int(inputs["image_grid_thw"].shape[0]) if inputs else 0))
+        return inputs
+
+    monkeypatch.setattr(Policy, "image_inputs", recording)
+
+    def reward(prompts: list[Any], completions: list[Any], image: list[Any], **kwargs: Any) -> list[float]:
+        varied = image_reward(completions, image)
+        return [1.0 if p[0]["content"][1]["text"].count("?") % 2 == 0 else v for p, v in zip(prompts, varied)]
+
+    model, processor = build_tiny_vlm("qwen2_vl")
+    config = _config(tmp_path / "out", max_steps=1, steps_per_generation=1, group_filter="drop_zero_std",
+                     max_refill_rounds=0)
+    result = Engine(config, model=model, tokenizer=processor, rewards=[reward], dataset=_data()).train()
+    assert result.global_step == 1
+    logged = read_metrics(tmp_path / "out")[-1]
+    assert logged["group_filter/groups_dropped"] > 0 and math.isfinite(logged["loss"])
+    assert passes and all(n == len(rows) and min(rows) >= 0 for rows, n in passes)  # one image per row, always

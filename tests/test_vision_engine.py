@@ -75,7 +75,7 @@ def test_images_train_on_policy_with_a_ratio_of_exactly_one(arch: str, tmp_path:
     vision = {n: p.detach().clone() for n, p in model.named_parameters() if "lm_head" not in n and "language_model" not in n and "text_model" not in n}
     config = _config(
         tmp_path / "out", per_device_train_batch_size=8, train_chunk_rows=2, group_by_length=True,
-        lora={"r": 4, "lora_alpha": 8}, group_filter="drop_zero_std", learning_rate=5e-2,
+        lora={"r": 4, "lora_alpha": 8}, group_filter="drop_zero_std", learning_rate=5e-2, beta=0.04,
     )
     engine = Engine(config, model=model, tokenizer=processor, rewards=[reward], dataset=_data(8))
     engine.train()

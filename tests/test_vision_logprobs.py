@@ -132,3 +132,35 @@ def test_the_loss_is_compute_loss_of_the_pass_and_its_ratio_is_one(sampled: dict
     language = [p.grad for n, p in model.named_parameters() if "lm_head" in n]
     assert language and language[0] is not None and language[0].abs().sum() > 0
     model.zero_grad()
+
+
+def test_images_load_from_pil_paths_and_datasets_byte_dicts(tmp_path: Any) -> None:
+    import io
+
+    from grpo_plugins.image_prompts import load_image, row_images
+    from grpo_plugins.prompt_encoding import DataError
+
+    image = tiny_image(7)
+    path = tmp_path / "a.png"
+    image.save(path)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    pixels = list(image.getdata())
+    for value in (image, str(path), {"bytes": buffer.getvalue(), "path": None}, {"bytes": None, "path": str(path)}):
+        assert list(load_image(value).getdata()) == pixels
+    assert len(row_images({"images": [str(path), image]}, "row 0")) == 2
+    assert row_images({"image": None}, "row 0") == []
+    with pytest.raises(DataError, match=r"row 3 image: image file '.*missing.png' does not exist"):
+        row_images({"image": str(tmp_path / "missing.png")}, "row 3")
+
+
+def test_a_prompt_whose_image_items_and_images_differ_is_a_data_error() -> None:
+    from grpo_plugins.prompt_encoding import DataError, PromptTooLongError
+
+    _, processor = build_tiny_vlm("idefics3")
+    encoder = ImagePromptEncoder(processor, max_prompt_length=12)
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]
+    with pytest.raises(DataError, match=r"row 5 has 2 image item\(s\) .* but 1 image\(s\)"):
+        encoder.encode(prompt, [tiny_image(0)], "row 5")
+    with pytest.raises(PromptTooLongError, match=r"with its images, over max_prompt_length=12"):
+        encoder.encode(prompt, [tiny_image(0), tiny_image(1)], "row 5")

@@ -92,13 +92,13 @@ def collate(
     items: Sequence[MultimodalInputs | None], input_ids: Tensor, prompt_end: int, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:
     """The forward arguments of a pass over rows whose image inputs are ``items`` (None: a text
-    row), in row order. ``input_ids`` (B, L): the pass's left-padded prompts end at column
-    ``prompt_end``. Floating tensors are cast to ``dtype`` (the model's). Empty when no row has
-    images."""
+    row or a prompt without images), in row order. ``input_ids`` (B, L): the pass's left-padded
+    prompts end at column ``prompt_end``. Floating tensors are cast to ``dtype`` (the model's).
+    Empty when no row has images."""
     import torch
 
-    present = [m for m in items if m is not None]
-    if not present:
+    present = [m for m in items if m is not None and m.images]
+    if not present:  # text rows only (a text prompt of a vision model's run): the text path
         return {}
     device = input_ids.device
     out: dict[str, Tensor] = {}

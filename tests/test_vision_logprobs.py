@@ -27,7 +27,9 @@ PROMPTS = [
     ([{"role": "user", "content": "Colour?"}], [tiny_image(1, side=24)]),  # TRL adds the image item
     ([{"role": "user", "content": [{"type": "text", "text": "Two:"}, {"type": "image"}, {"type": "image"}]}],
      [tiny_image(2), tiny_image(3, side=12)]),
+    ([{"role": "user", "content": "No image here."}], []),  # a text prompt in a vision model's run
 ]
+ROWS = list(range(len(PROMPTS)))
 
 
 @pytest.fixture(scope="module", params=VISION_ARCHS)
@@ -84,7 +86,7 @@ def test_the_processor_makes_ids_and_image_tensors_for_each_prompt(sampled: dict
 def test_training_pass_log_probs_equal_each_row_alone_and_the_sampler(sampled: dict[str, Any]) -> None:
     out, T = sampled["out"], sampled["out"].completion_ids.shape[1]
     assert not torch.isin(out.completion_ids, torch.tensor(placeholder_token_ids(sampled["model"].config))).any()
-    logps = _pass_logps(sampled, sampled["input_ids"], sampled["attention_mask"], T, [0, 1, 2])  # (3, T)
+    logps = _pass_logps(sampled, sampled["input_ids"], sampled["attention_mask"], T, ROWS)  # (4, T)
     mask = out.completion_mask.bool()
     assert mask.sum() > 6
     for row, prompt_ids in enumerate(sampled["prompt_ids"]):
@@ -96,13 +98,13 @@ def test_training_pass_log_probs_equal_each_row_alone_and_the_sampler(sampled: d
 
 def test_passes_split_by_length_see_the_same_log_probs(sampled: dict[str, Any]) -> None:
     ids, att, T = sampled["input_ids"], sampled["attention_mask"], sampled["out"].completion_ids.shape[1]
-    whole = _pass_logps(sampled, ids, att, T, [0, 1, 2])
+    whole = _pass_logps(sampled, ids, att, T, ROWS)
     passes = plan_passes(ids, att, T, multiple=1, chunk_rows=1, split=True)
-    assert len(passes.chunks) == 3
+    assert len(passes.chunks) == len(PROMPTS)
     mask = sampled["out"].completion_mask.bool()
     for c in passes.chunks:
         chunk_ids, chunk_att, w = passes.pass_inputs(c, 1)
-        rows = passes.rows_of([0, 1, 2], c)
+        rows = passes.rows_of(ROWS, c)
         got = _pass_logps(sampled, chunk_ids, chunk_att, w, rows)
         for k, row in enumerate(rows):
             n = int(mask[row].sum())
@@ -112,10 +114,10 @@ def test_passes_split_by_length_see_the_same_log_probs(sampled: dict[str, Any]) 
 def test_the_loss_is_compute_loss_of_the_pass_and_its_ratio_is_one(sampled: dict[str, Any]) -> None:
     model, T = sampled["model"], sampled["out"].completion_ids.shape[1]
     mask = sampled["out"].completion_mask.float()
-    advantages = torch.tensor([1.0, -0.5, -0.5])
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.25])
     items = [multimodal_of(p) for p in sampled["prompt_ids"]]
     ids, att = sampled["input_ids"], sampled["attention_mask"]
-    old = _pass_logps(sampled, ids, att, T, [0, 1, 2])
+    old = _pass_logps(sampled, ids, att, T, ROWS)
     logps, _ = completion_logps(model, ids, att, T, inputs=collate(items, ids, ids.shape[1] - T))
     assert torch.equal(logps.detach(), old)  # the importance ratio is exactly 1 on-policy
     loss, metrics = compute_loss(logps, old, advantages, mask)

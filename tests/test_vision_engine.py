@@ -206,3 +206,20 @@ def test_empty_slots_of_dynamic_sampling_keep_the_images_of_the_rows_they_borrow
     logged = read_metrics(tmp_path / "out")[-1]
     assert logged["group_filter/groups_dropped"] > 0 and math.isfinite(logged["loss"])
     assert passes and all(n == len(rows) and min(rows) >= 0 for rows, n in passes)  # one image per row, always
+
+
+def test_a_config_and_a_processor_folder_make_a_random_vision_model(tmp_path: Path) -> None:
+    from grpo_plugins.models import load_model
+    from grpo_plugins.testing.tiny_vision import build_tiny_processor, tiny_vlm_config
+    from grpo_plugins.vision_models import is_processor
+
+    processor = build_tiny_processor("qwen2_vl")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(tiny_vlm_config("qwen2_vl", processor).to_dict()))
+    folder = save_tiny_vlm(tmp_path / "idefics", "idefics3")  # any processor folder will do for loading
+    model, loaded = load_model({"config": str(config_path), "tokenizer": str(folder)}, dtype="float32",
+                               lora={"r": 2, "lora_alpha": 4})
+    assert type(model.get_base_model()).__name__ == "Qwen2VLForConditionalGeneration"
+    assert is_processor(loaded) and loaded.tokenizer.padding_side == "left"
+    adapters = [n for n, _ in model.named_parameters() if "lora_" in n]
+    assert adapters and not any(".visual." in n for n in adapters)

@@ -104,7 +104,7 @@ class GRPOConfig(StrictModel):
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs (sync_ref_model).")
 
     # -- generation -----------------------------------------------------------------------------
-    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere.")
+    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere (always transformers for a vision-language model).")
     fast_inference: bool = Field(False, description="Use the vLLM backend (needs vllm installed).")
     environment: str | ComponentRef = Field(
         "single_turn",

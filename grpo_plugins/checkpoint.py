@@ -357,6 +357,8 @@ def load_weights(model_dir: Path, model: Any) -> None:
     weights: dict[str, Any] = {}
     for file in files:
         weights.update(load_file(str(file)))
+    own = _own_names(model)
+    weights = {own.get(k, k): v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = getattr(model, "_tied_weights_keys", None) or {}
     missing = [k for k in missing if k not in set(tied)]
@@ -364,3 +366,20 @@ def load_weights(model_dir: Path, model: Any) -> None:
         raise CheckpointError(
             f"{model_dir} does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+
+
+def _own_names(model: Any) -> dict[str, str]:
+    """``save_pretrained``'s name of each weight -> the model's own, where they differ:
+    transformers saves some models (e.g. vision-language ones) under their original checkpoint
+    names. Renamed weights are the very tensors, so they are matched by identity."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers saves the model's own names
+        return {}
+    state = model.state_dict()
+    try:
+        saved = revert_weight_conversion(model, dict(state))
+    except Exception:  # noqa: BLE001 - a model without conversions, or one transformers cannot revert
+        return {}
+    by_tensor = {id(t): name for name, t in state.items()}
+    return {name: by_tensor[id(t)] for name, t in saved.items() if id(t) in by_tensor and by_tensor[id(t)] != name}

@@ -94,10 +94,11 @@ class Engine:
 
     Args:
         config: a :class:`GRPOConfig`, a mapping of config keys, or a YAML file.
-        model: an already-loaded causal LM (transformers, optionally peft); default: load
-            ``config.model``. LoRA (``config.lora``) is applied to it unless it is already a
-            peft model.
-        tokenizer: its tokenizer (required with ``model``).
+        model: an already-loaded causal LM or image-text-to-text model (transformers,
+            optionally peft); default: load ``config.model``. LoRA (``config.lora``) is applied to
+            it unless it is already a peft model.
+        tokenizer: its tokenizer, or a vision-language model's processor (required with
+            ``model``).
         rewards: reward callables (TRL contract: ``fn(prompts, completions, completion_ids=...,
             **columns) -> list[float | None]``, plain or async); default: ``config.rewards`` or
             the task's default rewards.

@@ -272,8 +272,9 @@ def load_eval_model(config: GRPOConfig, model_dir: Path | None, device: Any) -> 
     dtype = config.dtype
     if model_dir is not None and not (model_dir / "adapter_config.json").is_file():
         model, tokenizer = models.load_model(str(model_dir), dtype=dtype, device=device, seed=config.seed)
-        return model.eval(), tokenizer
+        return model.eval(), _text_tokenizer(tokenizer)
     model, tokenizer = models.load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+    tokenizer = _text_tokenizer(tokenizer)
     if model_dir is not None:
         from peft import PeftModel
 
@@ -287,6 +288,16 @@ def load_eval_model(config: GRPOConfig, model_dir: Path | None, device: Any) -> 
             ) from None
         model.to(device)
     return model.eval(), tokenizer
+
+
+def _text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer of a text model; a vision-language model's processor is refused."""
+    from grpo_plugins.errors import GRPOPluginsError
+    from grpo_plugins.vision_models import is_processor
+
+    if is_processor(tokenizer):
+        raise GRPOPluginsError("evaluating a vision-language model is not supported yet; evaluate a text model")
+    return tokenizer
 
 
 @quiet_libraries()

@@ -155,6 +155,7 @@ def check_config(
     _check_data(check)
     _check_eval(check)
     _check_reward_columns(check)
+    _check_vision(check)
     if not dropped & BATCH_KEYS:
         try:
             check.plan = plan_from_config(config, num_processes, registry)
@@ -355,6 +356,19 @@ def _check_reward_columns(check: ConfigCheck) -> None:
                     "rename it with the reward's argument name, or choose another reward",
                 )
             )
+
+
+def _check_vision(check: ConfigCheck) -> None:
+    """Images need a vision-language model, and it needs what supports them (vision_checks)."""
+    from grpo_plugins.vision_checks import vision_problems
+
+    dataset = check.config.dataset
+    columns = dataset_columns(dataset) if dataset is not None else None
+    builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if dataset is not None and columns is None and os.path.splitext(dataset.path)[1].lower() in builder:
+        as_file = {"path": builder[os.path.splitext(dataset.path)[1].lower()], "data_files": dataset.path}
+        columns = dataset_columns(dataset.model_copy(update=as_file))
+    check.problems.extend(vision_problems(check.config, columns, check.components))
 
 
 def _check_model(check: ConfigCheck) -> None:

@@ -3,6 +3,9 @@
 * :mod:`~grpo_plugins.testing.tiny`: :func:`build_tiny_tokenizer`, :func:`tiny_model_config`
   and :func:`tiny_model_spec` (a tiny random Llama or Qwen2 and a character-level tokenizer), :func:`build_tiny_bpe_tokenizer`
   (a small byte-level BPE tokenizer);
+* :mod:`~grpo_plugins.testing.tiny_vision`: :func:`build_tiny_vlm` (a tiny random Qwen2-VL or
+  Idefics3 and its offline processor), :func:`save_tiny_vlm` (the same as a ``model:`` folder)
+  and :func:`tiny_image` (a small seeded random image);
 * :mod:`~grpo_plugins.testing.registries`: :func:`registered_plugin`,
   :func:`registered_component` and :func:`isolated_registry` register plugins or components for
   the duration of a test and restore the registry afterwards;
@@ -45,6 +48,7 @@ from grpo_plugins.testing.tiny import (
     tiny_model_spec,
     tiny_vocab_size,
 )
+from grpo_plugins.testing.tiny_vision import build_tiny_vlm, save_tiny_vlm, tiny_image
 
 __all__ = [
     "BOS",
@@ -57,6 +61,7 @@ __all__ = [
     "ScriptedGenerator",
     "build_tiny_bpe_tokenizer",
     "build_tiny_tokenizer",
+    "build_tiny_vlm",
     "check_component",
     "check_plugin",
     "format_signature",
@@ -67,6 +72,8 @@ __all__ = [
     "registered_plugin",
     "scripted_setup",
     "reward_interface",
+    "save_tiny_vlm",
+    "tiny_image",
     "tiny_model_config",
     "tiny_model_spec",
     "tiny_vocab_size",

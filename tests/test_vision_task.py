@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from grpo_plugins.config import GRPOConfig
@@ -166,3 +168,36 @@ def test_default_rewards_score_right_and_wrong_counts(registry):
     with RewardRunner(specs, registry) as runner:
         out = runner([r["prompt"] for r in rows], completions, None, columns)
     assert out.tolist() == [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vision_shapes_smolvlm.yaml"
+
+
+@pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl"])
+def test_the_example_puts_lora_on_the_language_model_only(arch):
+    import yaml
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_plugins.testing.tiny_vision import build_tiny_vlm
+
+    settings = yaml.safe_load(EXAMPLE.read_text())["lora"]
+    model, _ = build_tiny_vlm(arch)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    peft_model = get_peft_model(model, LoraConfig(r=settings["r"], target_modules=settings["target_modules"]))
+    adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in peft_model.named_modules() if n.endswith(".lora_A")}
+    language = {n for n in names if ".layers." in n and ("text_model" in n or "language_model" in n)}
+    assert adapted == language and len(language) == 2 * 7  # 2 layers x q k v o gate up down
+
+
+def test_the_example_validates_and_names_a_missing_model_folder(tmp_path, capsys):
+    from grpo_plugins import cli
+    from grpo_plugins.testing.tiny_vision import save_tiny_vlm
+
+    missing = tmp_path / "no-such-model"
+    assert cli.main(["validate", str(EXAMPLE), "--set", f"model={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid config") and f"model: no such file or directory: {missing}" in err
+    assert "Traceback" not in err
+    folder = save_tiny_vlm(tmp_path / "tiny-vlm")
+    assert cli.main(["validate", str(EXAMPLE), "--set", f"model={folder}"]) == 0
+    assert "rewards (task shapes's defaults): correct_answer x 1, format x 0.5" in capsys.readouterr().out

@@ -24,7 +24,6 @@ timers. Writes ``$OUT/vlm_bench.json`` and prints a table last.
 from __future__ import annotations
 
 import argparse
-import inspect
 import shutil
 import sys
 import tempfile
@@ -207,16 +206,6 @@ def ours_config(T: int, steps: int, warmup: int, generator: dict[str, Any], outp
     }
 
 
-def engine_inputs(processor: Any) -> dict[str, Any]:
-    """How the Engine takes the processor: ``processor=`` where it has that argument, else as the
-    tokenizer."""
-    from grpo_plugins.engine import Engine
-
-    if "processor" in inspect.signature(Engine.__init__).parameters:
-        return {"processor": processor, "tokenizer": processor.tokenizer}
-    return {"tokenizer": processor}
-
-
 def run_ours(args: argparse.Namespace, T: int) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
@@ -225,7 +214,8 @@ def run_ours(args: argparse.Namespace, T: int) -> dict[str, Any]:
     output_dir = tempfile.mkdtemp(prefix="bench_vlm_ours_")
     generator = {"name": args.generator, "params": {}}
     config = ours_config(T, args.steps, args.warmup, generator, output_dir)
-    engine = Engine(config, model=model, rewards=[length_reward], dataset=dataset(args.image_size), **engine_inputs(processor))
+    # The processor goes where a text model's tokenizer goes.
+    engine = Engine(config, model=model, tokenizer=processor, rewards=[length_reward], dataset=dataset(args.image_size))
     ends: list[float] = []
     original = Engine._optimizer_step
 

@@ -37,6 +37,10 @@ class GRPOConfig(StrictModel):
     dtype: DType = Field("auto", description="bfloat16, float16 (with loss scaling), float32; auto: bf16 on GPUs that support it, else fp32.")
     lora: LoraSettings | None = Field(None, description="LoRA adapter settings; null trains all weights.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, more time.")
+    train_vision_tower: bool = Field(
+        False,
+        description="A vision-language model: also train its vision encoder and projector (LoRA adapters on them too with lora); false keeps them frozen and trains the language model only.",
+    )
     disable_dropout: bool = Field(False, description="Set every dropout probability of the model (and of LoRA adapters) to 0, as TRL does.")
     cast_lm_head_to_fp32: bool = Field(
         False, description="Keep the LM head's weights in float32 and compute the logits in float32 (ScaleRL); not with LoRA on the head."

@@ -233,13 +233,13 @@ PROMPT_CHECK_LIMIT = 50_000
 
 def prepare_dataset(
     config: GRPOConfig, registry: Registry, tokenizer: Any, dataset: Any = None,
-    encode: Callable[[list[Any]], list[list[int]]] | None = None,
+    encode: Callable[[list[Any]], list[list[int]]] | None = None, check_lengths: bool = True,
 ) -> tuple[datasets.Dataset, Any | None, str]:
     """The prompts a run trains on, checked: (dataset, built task or None, prompt column).
 
     ``dataset`` (a ``datasets.Dataset``, a list of row dicts or a mapping of columns) replaces
     the config's data. The prompts must encode within ``max_prompt_length`` (with
-    ``prompt_truncation: error``).
+    ``prompt_truncation: error``; not checked here without ``check_lengths``).
     """
     from grpo_plugins.errors import TrainingError
 
@@ -263,6 +263,8 @@ def prepare_dataset(
         )
     if len(dataset) == 0:
         raise TrainingError("the dataset is empty")
+    if not check_lengths:
+        return dataset, task, column
     check_prompt_lengths(
         tokenizer, dataset[column], max_prompt_length=config.max_prompt_length, truncation=config.prompt_truncation,
         chat_template_kwargs=config.chat_template_kwargs, encode=encode,

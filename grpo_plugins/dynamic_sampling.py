@@ -195,6 +195,7 @@ def refill(
     empty_mine = empty[rows]
     assembled = Round(
         prompt_index=[-1 if bool(e) else i for i, e in zip(mine, empty_mine.tolist())],
+        prompt_source=list(mine),
         prompt_ids=prompt_ids,
         prompts=prompts,
         completion_ids=local_ids,

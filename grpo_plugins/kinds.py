@@ -170,6 +170,9 @@ class Generator:
     samples_from_policy: ClassVar[bool] = True
     #: True when it passes ``SamplingSettings.extra`` (``generation_kwargs``) to its sampler.
     accepts_generation_kwargs: ClassVar[bool] = False
+    #: True when it generates from prompts whose ids carry image inputs
+    #: (:class:`~grpo_plugins.multimodal.PromptIds`, a vision-language model's run).
+    accepts_images: ClassVar[bool] = False
     #: The run's registry, set by the engine before ``setup``: a backend that builds another
     #: generator (a fallback) builds it from there, so ``disable_plugins`` applies to it too.
     registry: Any = None

@@ -11,12 +11,14 @@ division by the temperature.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from grpo_plugins.multimodal import placeholder_token_ids
 
 #: Computes one chunk: (hidden (N, H), targets (N,), head, transform, with_entropy) ->
 #: (log-probs (N,), entropy (N,)); :func:`chunk_logps` or a compiled version of it.
@@ -58,6 +60,7 @@ def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
         scale = float(scale)
     divide = getattr(config, "logits_scaling", None)  # Granite divides by it
     softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2/3
+    placeholders = placeholder_token_ids(config)  # a vision-language model's image tokens
 
     def transform(logits: Tensor) -> Tensor:
         if isinstance(scale, (int, float)) and scale != 1:
@@ -68,6 +71,9 @@ def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
             logits = torch.tanh(logits / softcap) * softcap
         if temperature != 1.0:
             logits = logits / temperature
+        if placeholders:  # never sampled (see placeholder_token_ids); finite: the entropy stays a number
+            index = torch.as_tensor(placeholders, device=logits.device)
+            logits = logits.index_fill(-1, index, torch.finfo(logits.dtype).min)
         return logits
 
     return transform
@@ -160,16 +166,25 @@ def _completion_logps_unwrapped(
     chunk_size: int,
     with_entropy: bool | str,
     chunk_fn: ChunkFn | None,
+    inputs: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     lm = _causal_lm(model)
-    decoder = model.get_decoder()
     head = model.get_output_embeddings()
-    out = decoder(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
+    if inputs:
+        # A vision-language model: its multimodal body merges the image features into the
+        # embeddings; M-RoPE models (Qwen2-VL) compute their own 3-D positions from the mask.
+        body = lm.model
+        positions = None if hasattr(body, "get_rope_index") else position_ids_from_mask(attention_mask)
+        out = body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **inputs
+        )
+    else:
+        out = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
     # Position i predicts token i + 1: the T completion tokens come from positions -T-1 .. -2.
     hidden = hidden[:, -logits_to_keep - 1 : -1]  # (B, T, H)
@@ -195,6 +210,7 @@ def completion_logps(
     chunk_size: int = 1024,
     with_entropy: bool | str = False,
     chunk_fn: ChunkFn | None = None,
+    inputs: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropy) of the last ``logits_to_keep`` tokens of each row.
 
@@ -208,6 +224,8 @@ def completion_logps(
         with_entropy: also return the entropy of each position's sampling distribution:
             True detached (a metric), ``"grad"`` carrying the gradient (the entropy bonus).
         chunk_fn: computes one chunk of the log-softmax (see :func:`chunked_selective_logps`).
+        inputs: a vision-language model's image inputs of the rows
+            (:func:`~grpo_plugins.multimodal.collate`); empty or None for text.
 
     Returns:
         (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model).
@@ -226,12 +244,12 @@ def completion_logps(
         )
     args = (logits_to_keep, temperature, chunk_size, with_entropy, chunk_fn)
     if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
-        return _completion_logps_unwrapped(model, input_ids, attention_mask, *args)
+        return _completion_logps_unwrapped(model, input_ids, attention_mask, *args, inputs)
 
     inner = getattr(model, "module", model)  # DDP/FSDP1 wrap the model; FSDP2 hooks it in place
 
     def forward(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        logps, entropy = _completion_logps_unwrapped(inner, input_ids, attention_mask, *args)
+        logps, entropy = _completion_logps_unwrapped(inner, input_ids, attention_mask, *args, inputs)
         # Not views: FSDP2 hooks the backward of a module's outputs, which a view would lose.
         return logps.clone(), entropy.clone() if entropy is not None else None
 

@@ -188,8 +188,10 @@ def load_model(
     seed: int = 0,
     activation_offload: bool = False,
     quantization_bits: int | None = None,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer ready for training.
+    train_vision_tower: bool = False,
+) -> tuple[PreTrainedModel, Any]:
+    """Load a causal LM and its tokenizer, or a vision-language model (its config has a
+    ``vision_config``) and its processor, ready for training.
 
     Args:
         model: ``builtin:NAME``, a ``.gguf`` file, a local directory, a cached hub id, or a
@@ -206,9 +208,13 @@ def load_model(
             input hidden states in CPU memory (see :func:`enable_gradient_checkpointing`).
         quantization_bits: 4 or 8 quantises the base's linear layers with bitsandbytes before
             LoRA is applied (QLoRA; :mod:`grpo_plugins.quantization`).
+        train_vision_tower: a vision-language model's vision encoder and projector train too
+            (else they are frozen, and LoRA leaves them out).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from grpo_plugins import vision_models
 
     if isinstance(model, ModelSpec):
         spec = model
@@ -226,8 +232,11 @@ def load_model(
         torch.manual_seed(seed)
         if spec.config is not None:
             tok_source, tok_local = _resolve_source(spec.tokenizer or "")
-            tokenizer = load_tokenizer(tok_source, local=tok_local, trust_remote_code=spec.trust_remote_code)
-            net = AutoModelForCausalLM.from_config(_config_from_spec(spec.config), dtype=torch_dtype, **common)
+            net_config = _config_from_spec(spec.config)
+            vision = vision_models.config_is_vision(net_config)
+            tokenizer = _tokenizer_or_processor(tok_source, tok_local, spec.trust_remote_code, vision)
+            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            net = auto.from_config(net_config, dtype=torch_dtype, **common)
         else:
             assert spec.name_or_path is not None
             source, local = _resolve_source(spec.name_or_path)
@@ -235,12 +244,15 @@ def load_model(
                 tok_source, tok_local = _resolve_source(spec.tokenizer)
             else:
                 tok_source, tok_local = source, local
-            tokenizer = load_tokenizer(tok_source, local=tok_local, trust_remote_code=spec.trust_remote_code)
+            vision = bool(vision_models.local_config_is_vision(source))
+            tokenizer = _tokenizer_or_processor(tok_source, tok_local, spec.trust_remote_code, vision)
             if spec.revision and not local:
                 common["revision"] = spec.revision
-            net = _from_pretrained(AutoModelForCausalLM, source, local, "model", dtype=torch_dtype, **common, **extra)
+            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            net = _from_pretrained(auto, source, local, "model", dtype=torch_dtype, **common, **extra)
+        text_tokenizer = vision_models.split_processor(tokenizer)[0]
         if getattr(net.config, "pad_token_id", None) is None:
-            net.config.pad_token_id = tokenizer.pad_token_id
+            net.config.pad_token_id = text_tokenizer.pad_token_id
         if quantization_bits is not None:
             from grpo_plugins.quantization import quantize_model
 
@@ -248,18 +260,36 @@ def load_model(
         elif device is not None:
             net.to(device)
         if lora is not None:
-            net = apply_lora(net, lora)
+            net = apply_lora(net, lora, train_vision_tower)
+        elif vision and not train_vision_tower:
+            vision_models.freeze_vision(net)
     if gradient_checkpointing:
         enable_gradient_checkpointing(net, offload=activation_offload)
     return net, tokenizer
 
 
-def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any]) -> Any:
-    """Wrap ``model`` with a peft LoRA adapter (``target_modules: all-linear`` by default)."""
+def _tokenizer_or_processor(source: str, local: bool, trust_remote_code: bool, vision: bool) -> Any:
+    """A vision-language model's processor (its tokenizer prepared), else the tokenizer."""
+    if not vision:
+        return load_tokenizer(source, local=local, trust_remote_code=trust_remote_code)
+    from grpo_plugins.vision_models import load_processor
+
+    processor = load_processor(source, local=local, trust_remote_code=trust_remote_code)
+    prepare_tokenizer(processor.tokenizer)
+    return processor
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraSettings | Mapping[str, Any], train_vision_tower: bool = False) -> Any:
+    """Wrap ``model`` with a peft LoRA adapter (``target_modules: all-linear`` by default); on a
+    vision-language model the vision side gets none unless ``train_vision_tower``."""
     from peft import LoraConfig, get_peft_model
 
+    from grpo_plugins.vision_models import is_vision_model, vision_module_pattern
+
     settings = lora if isinstance(lora, LoraSettings) else LoraSettings.model_validate(dict(lora))
+    exclude = vision_module_pattern(model) if is_vision_model(model) and not train_vision_tower else None
     peft_config = LoraConfig(
+        exclude_modules=exclude,
         r=settings.r,
         lora_alpha=settings.lora_alpha,
         lora_dropout=settings.lora_dropout,
@@ -311,19 +341,25 @@ def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[An
         seed=config.seed,
         activation_offload=config.activation_offload,
         quantization_bits=config.quantization_bits,
+        train_vision_tower=config.train_vision_tower,
     )
 
 
 def policy_and_tokenizer(
     config: GRPOConfig, model: Any = None, tokenizer: Any = None, device: Any = None
-) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model to train and its tokenizer: loaded from ``config.model``, or the given ones with
+) -> tuple[Any, PreTrainedTokenizerBase, Any]:
+    """The model to train, its tokenizer and its processor (a vision-language model's, else
+    None): loaded from ``config.model``, or the given ones (``tokenizer`` may be a processor) with
     the config's quantisation (unless already quantised), LoRA (unless already a peft model) and
     gradient checkpointing applied. ``device``: where a quantised model is quantised (the
     training device); others are moved there later by accelerate."""
+    from grpo_plugins.vision_models import freeze_vision, is_vision_model, split_processor
+
     bits = config.quantization_bits
     if model is None:
-        return load_model_and_tokenizer(config, device=device if bits is not None else None)
+        model, loaded = load_model_and_tokenizer(config, device=device if bits is not None else None)
+        return (model, *split_processor(loaded))
+    tokenizer, processor = split_processor(tokenizer)
     tokenizer = prepare_tokenizer(tokenizer)
     if bits is not None and not hasattr(model, "peft_config"):
         from grpo_plugins.quantization import quantize_model
@@ -340,10 +376,12 @@ def policy_and_tokenizer(
                 "pass the base model (grpo-plugins quantises it and applies lora) or drop the setting"
             )
     if config.lora is not None and not hasattr(model, "peft_config"):
-        model = apply_lora(model, config.lora)
+        model = apply_lora(model, config.lora, config.train_vision_tower)
+    elif config.lora is None and is_vision_model(model) and not config.train_vision_tower:
+        freeze_vision(model)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model, offload=config.activation_offload)
-    return model, tokenizer
+    return model, tokenizer, processor
 
 
 def disable_dropout(model: Any) -> None:

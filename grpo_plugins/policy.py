@@ -4,7 +4,7 @@ are split into passes (:func:`plan_passes`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,6 +14,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from grpo_plugins.config import GRPOConfig
+    from grpo_plugins.multimodal import MultimodalInputs
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Policy:
         chunk_fn: the compiled log-softmax chunk, or None.
         multiple: sequences are left-padded to a multiple of this (8 with compiled layers; see
             :func:`trim_padding`).
+        images: prompt indices -> their image inputs (a vision-language model's run), else None.
     """
 
     model: Any
@@ -38,6 +40,17 @@ class Policy:
     layers: Callable[[], AbstractContextManager[None]]
     chunk_fn: Callable[..., Any] | None
     multiple: int = 1
+    images: Callable[[Sequence[int]], list[MultimodalInputs | None]] | None = None
+
+    def image_inputs(self, prompt_index: Sequence[int], ids: Tensor, t: int) -> dict[str, Tensor]:
+        """The image inputs of a pass over rows of prompts ``prompt_index`` (``ids`` (B, P+t));
+        empty for a text run."""
+        if self.images is None:
+            return {}
+        from grpo_plugins.multimodal import collate
+
+        dtype = next((p.dtype for p in self.unwrapped.parameters() if p.is_floating_point()), None)
+        return collate(self.images(prompt_index), ids, ids.shape[1] - t, dtype)
 
 
 def trim_padding(
@@ -94,6 +107,11 @@ class MicroBatchPasses:
         if len(self.chunks) == 1:
             return self.ids, self.attention_mask, self.t
         return trim_padding(self.ids[chunk], self.attention_mask[chunk], self.t, multiple, min_t=min(2, self.t))
+
+    def rows_of(self, values: Sequence[Any], chunk: slice) -> list[Any]:
+        """The entries of ``values`` (one per micro-batch row) that one pass's rows hold."""
+        ordered = list(values) if self.order is None else [values[i] for i in self.order.tolist()]
+        return ordered[chunk]
 
     def in_pass_order(self, x: Tensor) -> Tensor:
         """``x`` (B, ...) of the micro-batch's rows, reordered as the passes see them."""

@@ -97,7 +97,7 @@ def save_run(
     if entropy.enabled:
         state["entropy_control"] = entropy.state_dict()
     path = save_checkpoint(
-        acc, output_dir, at.global_step, tokenizer=parts.policy.tokenizer,
+        acc, output_dir, at.global_step, tokenizer=parts.policy.processor or parts.policy.tokenizer,
         rng_state=rng if rng is not None else capture_rng(),
         rollout=at.rollout.to_state() if at.rollout is not None else None, state=state,
         config_yaml=config.to_yaml(), save_total_limit=config.save_total_limit, **_in_place(parts, config),

@@ -167,6 +167,7 @@ class RolloutMaker:
             reward_seconds=rows.reward_seconds,
             nonfinite=share.nonfinite or nonfinite,
             next_prompt=share.next_prompt,
+            prompt_source=rows.prompt_source,
         )
         with self.guard.phase("log-probs", step_number):
             if not (self.plan.on_policy and self.config.beta == 0.0):
@@ -336,11 +337,13 @@ class RolloutMaker:
                     cfg.train_chunk_rows, split=groups_by_length(cfg),
                 )
                 rows = out[step.rows]  # (B, T) view
+                sources = rollout.input_prompts()[step.rows]
                 for c in passes.chunks:
                     ids, att, w = passes.pass_inputs(c, self.policy.multiple)
                     logps, _ = completion_logps(
                         model, ids, att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, chunk_fn=self.policy.chunk_fn,
+                        inputs=self.policy.image_inputs(passes.rows_of(sources, c), ids, w),
                     )  # (b, w)
                     where = c if passes.order is None else passes.order[c]
                     rows[where, :w] = logps.float()

@@ -31,6 +31,7 @@ class Round:
     generate_seconds: float
     reward_seconds: float
     episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # env/*, whole batch
+    prompt_source: list[int] | None = None  # (L,) the prompt each row's tokens are, where prompt_index says -1
 
 
 @dataclass
@@ -70,6 +71,12 @@ class Rollout:
     nonfinite: str | None = None  # the component that produced a NaN/inf reward or advantage
     next_prompt: int = 0  # the prompt stream's position after this rollout (the next cycle's first)
     logprob_seconds: float = 0.0  # the old/reference log-prob passes
+    prompt_source: list[int] | None = None  # (L,) the prompt each row's tokens are, where prompt_index says -1
+
+    def input_prompts(self) -> list[int]:
+        """(L,) the prompt whose tokens (and images) each row holds: ``prompt_index``, except at
+        dynamic sampling's empty slots, which borrow another row's sequence."""
+        return self.prompt_source if self.prompt_source is not None else self.prompt_index
 
     def to_state(self) -> dict[str, Any]:
         """The fields as a dict (what a mid-cycle checkpoint saves)."""

@@ -28,6 +28,7 @@ from grpo_plugins.episodes import build_environment
 from grpo_plugins.evaluation import Evaluator
 from grpo_plugins.generators import build_generator, generator_ref
 from grpo_plugins.guards import RunGuard
+from grpo_plugins.image_prompts import ImagePromptEncoder
 from grpo_plugins.objective import Objective
 from grpo_plugins.policy import Policy
 from grpo_plugins.precision import MasterWeights
@@ -71,6 +72,7 @@ class TrainedModel:
         master: float32 copies that the optimizer steps (16-bit weights), else None.
         optimizer: the optimizer (accelerate-prepared).
         compiled_layers: the compiled decoder layers (``compile_layers``), else None.
+        processor: a vision-language model's processor (what checkpoints save), else None.
     """
 
     model: Any
@@ -82,6 +84,7 @@ class TrainedModel:
     master: MasterWeights | None
     optimizer: Any
     compiled_layers: Any
+    processor: Any = None
 
 
 def load_policy(config: GRPOConfig, accelerator: Any, model: Any = None, tokenizer: Any = None) -> TrainedModel:
@@ -90,7 +93,7 @@ def load_policy(config: GRPOConfig, accelerator: Any, model: Any = None, tokeniz
     from grpo_plugins import models
 
     cfg, acc = config, accelerator
-    model, tokenizer = models.policy_and_tokenizer(cfg, model, tokenizer, acc.device)
+    model, tokenizer, processor = models.policy_and_tokenizer(cfg, model, tokenizer, acc.device)
     is_peft = models.is_peft_model(model)
     if cfg.disable_dropout:
         models.disable_dropout(model)
@@ -106,7 +109,7 @@ def load_policy(config: GRPOConfig, accelerator: Any, model: Any = None, tokeniz
     if cfg.fsdp is not None:
         trainable = _shard(cfg, acc, model, ref_model)
         optimizer = acc.prepare(make_optimizer(trainable, cfg, acc.device, fused=False))
-        return TrainedModel(model, model, tokenizer, ref_model, is_peft, trainable, None, optimizer, None)
+        return TrainedModel(model, model, tokenizer, ref_model, is_peft, trainable, None, optimizer, None, processor)
     if not is_quantized(model):  # a quantised model was built on its device
         # Before anything is made from the parameters: the master copies and the optimizer
         # state must live where the optimizer steps, whichever generator follows.
@@ -117,7 +120,9 @@ def load_policy(config: GRPOConfig, accelerator: Any, model: Any = None, tokeniz
     prepared, optimizer = acc.prepare(model, make_optimizer(stepped, cfg, acc.device))
     unwrapped = acc.unwrap_model(prepared)
     compiled = compiled_layers_for(unwrapped, cfg.compile_layers, acc.device, quantized=is_quantized(unwrapped))
-    return TrainedModel(prepared, unwrapped, tokenizer, ref_model, is_peft, trainable, master, optimizer, compiled)
+    return TrainedModel(
+        prepared, unwrapped, tokenizer, ref_model, is_peft, trainable, master, optimizer, compiled, processor
+    )
 
 
 def _shard(config: GRPOConfig, acc: Any, model: Any, ref_model: Any) -> list[torch.nn.Parameter]:
@@ -192,6 +197,29 @@ class RunParts:
             sharding.end_process_group()
 
 
+def image_encoder(config: GRPOConfig, processor: Any, environment: Any, columns: list[str]) -> ImagePromptEncoder | None:
+    """The prompt encoder of a vision-language model's run (None for a text model); a text
+    model given prompts with images is an error."""
+    from grpo_plugins.episodes import TurnBasedEnvironment
+    from grpo_plugins.errors import TrainingError
+    from grpo_plugins.image_prompts import has_image_column
+
+    if processor is None:
+        if has_image_column(columns):
+            raise TrainingError(
+                "the dataset has an image/images column but the model is a text-only model; use a "
+                "vision-language model (its config has a vision_config) or drop the images"
+            )
+        return None
+    if isinstance(environment, TurnBasedEnvironment):
+        raise TrainingError(
+            "environment: multi-turn environments do not support vision-language models yet; use environment: single_turn"
+        )
+    if config.eval_strategy != "no":
+        raise TrainingError("eval_strategy: evaluating a vision-language model is not supported yet; set eval_strategy: no")
+    return ImagePromptEncoder(processor, config.max_prompt_length, config.chat_template_kwargs)
+
+
 def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> RunParts:
     """Build the parts of a run of ``config`` (components looked up in ``registry``), taking
     the ones in ``given``; seeds every process with ``config.seed`` while building, then with
@@ -206,13 +234,17 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
     own_process_group = sharding.ensure_process_group(acc.device) if cfg.fsdp is not None else False
     set_seed(cfg.seed)
     policy = load_policy(cfg, acc, given.model, given.tokenizer)
-    tokenizer = policy.tokenizer
-    generator = build_generator(cfg, reg, policy.unwrapped, tokenizer, acc.device)
-    compiles = policy.compiled_layers is not None or generator_ref(cfg, cuda=acc.device.type == "cuda").name == "static"
+    tokenizer, vision = policy.tokenizer, policy.processor is not None
+    generator = build_generator(cfg, reg, policy.unwrapped, tokenizer, acc.device, vision=vision)
+    compiles = policy.compiled_layers is not None or generator_ref(
+        cfg, cuda=acc.device.type == "cuda", vision=vision
+    ).name == "static"
     environment = build_environment(cfg, reg, generator, tokenizer, given.environment)
     dataset, task, prompt_column = prepare_dataset(
-        cfg, reg, tokenizer, given.dataset, encode=lambda prompts: environment.encode_prompts(prompts, None, "error")
+        cfg, reg, tokenizer, given.dataset, encode=lambda prompts: environment.encode_prompts(prompts, None, "error"),
+        check_lengths=not vision,  # prompts with images are checked as they are encoded
     )
+    images = image_encoder(cfg, policy.processor, environment, dataset.column_names)
     if cfg.max_steps is not None:
         total_steps = cfg.max_steps
     else:
@@ -229,8 +261,10 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
     )
     prompts = PromptSource(
         dataset, prompt_column, environment, PromptStream(len(dataset), cfg.seed, cfg.shuffle_dataset),
-        cfg.max_prompt_length, cfg.prompt_truncation,
+        cfg.max_prompt_length, cfg.prompt_truncation, images,
     )
+    if images is not None:
+        trained.images = prompts.inputs
     advantages_of = functools.partial(
         compute_advantages, num_generations=plan.num_generations, reward_weights=rewards.weights,
         scale_rewards=resolve_component("reward_scaling", cfg.scale_rewards, reg),

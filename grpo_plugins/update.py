@@ -139,6 +139,7 @@ class PolicyUpdate:
             cfg.train_chunk_rows, split=groups_by_length(cfg),
         )
         t, chunks = passes.t, passes.chunks
+        sources = rollout.input_prompts()[r]
         mask = passes.in_pass_order(rollout.loss_mask[r, :t])  # (B, t)
         advantages = passes.in_pass_order(rollout.advantages[r])  # (B,)
 
@@ -172,6 +173,7 @@ class PolicyUpdate:
                     logps, entropy = completion_logps(
                         policy.model, chunk_ids, chunk_att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy, chunk_fn=policy.chunk_fn,
+                        inputs=policy.image_inputs(passes.rows_of(sources, c), chunk_ids, w),
                     )  # (b, w) (b, w)
                     pool = self._entropy_pool(entropy, chunk_mask) if cfg.top_entropy_quantile < 1.0 else None
                     loss, chunk_metrics = compute_loss(

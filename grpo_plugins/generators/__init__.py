@@ -28,30 +28,37 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def generator_ref(config: GRPOConfig, *, cuda: bool = False) -> ComponentRef:
+def generator_ref(config: GRPOConfig, *, cuda: bool = False, vision: bool = False) -> ComponentRef:
     """The generator a run uses: ``config.generator`` when set, else ``vllm`` with
     ``fast_inference`` (which needs vLLM installed), else ``static`` on a CUDA device (measured
     about 12x faster than ``model.generate``; see bench/RESULTS.md) and ``transformers``
-    elsewhere."""
+    elsewhere -- and for a vision-language model (``vision``), which only ``transformers``
+    generates for."""
     if config.generator is None and config.fast_inference and not vllm_available():
         raise GeneratorUnavailableError(
             "fast_inference: true selects the vllm generator, but vLLM is not installed here; "
             "install it (pip install 'grpo-plugins[vllm]', GPU only) or set fast_inference: false"
         )
-    if config.generator is None and not config.fast_inference and cuda:
+    if config.generator is None and not config.fast_inference and cuda and not vision:
         return ComponentRef(name="static")
     ref = component_ref(config.resolved_generator)  # the config's own choice, in one place
     assert ref is not None
     return ref
 
 
-def build_generator(config: GRPOConfig, registry: Registry, model: Any, tokenizer: Any, device: Any) -> Generator:
+def build_generator(
+    config: GRPOConfig, registry: Registry, model: Any, tokenizer: Any, device: Any, vision: bool = False
+) -> Generator:
     """The run's generator (:func:`generator_ref`), built from ``registry`` and set up with the
-    model being trained and the config's sampling parameters."""
+    model being trained and the config's sampling parameters. ``vision``: the model is a
+    vision-language model, so the generator must accept prompts with images
+    (``accepts_images``)."""
     from grpo_plugins.kinds import SamplingSettings
 
-    ref = generator_ref(config, cuda=getattr(device, "type", None) == "cuda")
+    ref = generator_ref(config, cuda=getattr(device, "type", None) == "cuda", vision=vision)
     generator = registry.build("generator", ref.name, ref.params)
+    if vision and not getattr(generator, "accepts_images", False):
+        raise GRPOPluginsError(image_generator_problem(ref.name))
     if config.generation_kwargs and not getattr(generator, "accepts_generation_kwargs", False):
         from grpo_plugins.errors import GRPOPluginsError
 
@@ -75,6 +82,14 @@ def build_generator(config: GRPOConfig, registry: Registry, model: Any, tokenize
         ),
     )
     return generator
+
+
+def image_generator_problem(name: str) -> str:
+    """Why the generator ``name`` cannot run a vision-language model's prompts."""
+    return (
+        f"generator '{name}' does not support prompts with images yet (a vision-language model); "
+        "use generator: transformers (the default for these models) and fast_inference: false"
+    )
 
 
 @hookimpl

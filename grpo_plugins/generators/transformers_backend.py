@@ -1,5 +1,6 @@
 """The ``transformers`` generation backend: batched ``model.generate`` with the trained model.
 
+Prompts whose ids carry image inputs (a vision-language model's run) pass them to ``generate``.
 Sampling uses the run's temperature, top_k, top_p, min_p and repetition_penalty. The sampling
 warpers are passed to ``generate`` explicitly (in transformers' own order: repetition penalty,
 temperature, top-k, top-p, min-p), followed by a recorder that keeps, step by step, the
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpo_plugins.generators.common import cut_at_eos, eos_token_ids, seeded_call, unwrap_model
 from grpo_plugins.kinds import GenerationOutput, Generator, SamplingSettings
+from grpo_plugins.multimodal import collate, multimodal_of, placeholder_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +107,7 @@ class TransformersGenerator(Generator):
 
     Params = TransformersGeneratorParams
     accepts_generation_kwargs = True
+    accepts_images = True
     samples_from_policy = True
 
     def __init__(self, params: TransformersGeneratorParams | None = None) -> None:
@@ -152,6 +155,7 @@ class TransformersGenerator(Generator):
             eos_token_id=eos_token_ids(model, self.tokenizer),
             use_cache=True,
             return_dict_in_generate=True,
+            suppress_tokens=placeholder_token_ids(model.config) or None,  # a vision model's image tokens
             **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
         )
 
@@ -163,6 +167,8 @@ class TransformersGenerator(Generator):
 
         device = next(model.parameters()).device
         ids, mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device=device)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        images = collate([multimodal_of(p) for p in prompt_ids], ids, ids.shape[1], dtype)  # {} for text
         recorder = _sampled_logps_recorder()
         processors = LogitsProcessorList([*sampling_processors(self.sampling), recorder])
         out = model.generate(
@@ -173,6 +179,7 @@ class TransformersGenerator(Generator):
             # FSDP: the engine gathers the full weights around generation (sharding.gathered),
             # so each process decodes alone, without transformers' per-token synchronisation.
             synced_gpus=False,
+            **images,
         )
         sequences = out.sequences if hasattr(out, "sequences") else out  # (B, P + T')
         return sequences[:, ids.shape[1] :], recorder.result(sequences)

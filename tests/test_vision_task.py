@@ -176,17 +176,17 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vision_shapes_smol
 @pytest.mark.parametrize("arch", ["idefics3", "qwen2_vl"])
 def test_the_example_puts_lora_on_the_language_model_only(arch):
     import yaml
-    from peft import LoraConfig, get_peft_model
 
+    from grpo_plugins.models import apply_lora
     from grpo_plugins.testing.tiny_vision import build_tiny_vlm
 
-    settings = yaml.safe_load(EXAMPLE.read_text())["lora"]
     model, _ = build_tiny_vlm(arch)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    peft_model = get_peft_model(model, LoraConfig(r=settings["r"], target_modules=settings["target_modules"]))
+    peft_model = apply_lora(model, yaml.safe_load(EXAMPLE.read_text())["lora"])
     adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in peft_model.named_modules() if n.endswith(".lora_A")}
     language = {n for n in names if ".layers." in n and ("text_model" in n or "language_model" in n)}
     assert adapted == language and len(language) == 2 * 7  # 2 layers x q k v o gate up down
+    assert any("vision" in n or "visual" in n for n in names)  # there is a vision side, left alone
 
 
 def test_the_example_validates_and_names_a_missing_model_folder(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """bench/bench_vlm.py on a CPU: the model is Qwen2.5-VL-3B's shape, LoRA lands on the language model
-only, a picture becomes the expected image tokens, and the TRL side runs end to end with --tiny."""
+only, a picture becomes the expected image tokens, and both sides run end to end with --tiny."""
 
 from __future__ import annotations
 
@@ -50,11 +50,14 @@ def test_lora_targets_are_the_language_models_linear_layers(bench_vlm):
     assert len(adapted) == 2 * 7 and all(".language_model.layers." in n for n in adapted)
 
 
-def test_tiny_trl_run_writes_its_numbers(bench_vlm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_tiny_runs_of_both_frameworks_make_the_table(bench_vlm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
-    results = bench_vlm.main(["--tiny", "--tokens", "4", "--steps", "1", "--warmup", "1", "--frameworks", "trl", "--image-size", "56"])
-    run = results["runs"]["4"]["trl"]
-    assert "error" not in run, run
-    assert len(run["step_times"]) == 2 and run["step_s"] > 0 and 1 <= run["mean_length"] <= 4
-    assert "GRPOTrainer.transformers.generate" in run["profiling_names"]
-    assert json.loads((tmp_path / "vlm_bench.json").read_text())["runs"]["4"]["trl"]["step_s"] == run["step_s"]
+    results = bench_vlm.main(["--tiny", "--tokens", "4", "--steps", "1", "--warmup", "1", "--image-size", "56"])
+    ours, trl = results["runs"]["4"]["ours"], results["runs"]["4"]["trl"]
+    assert "error" not in ours and "error" not in trl, (ours, trl)
+    assert len(ours["step_times"]) == 2 and len(ours["losses"]) == 2 and 1 <= ours["mean_length"] <= 4
+    assert ours["generate_s"] > 0 and ours["train_s"] > 0
+    assert "4 trl / ours" in " ".join(capsys.readouterr().out.split())
+    assert "GRPOTrainer.transformers.generate" in trl["profiling_names"] and 1 <= trl["mean_length"] <= 4
+    saved = json.loads((tmp_path / "vlm_bench.json").read_text())["runs"]["4"]
+    assert saved["ours"]["step_s"] == ours["step_s"] and saved["trl"]["step_s"] == trl["step_s"]

@@ -76,8 +76,12 @@ class ShapesTask:
         max_distractors: int = Field(
             3, ge=0, le=30, description="Most other shapes (another colour or kind); each picture has 0 to this many."
         )
-        shapes: list[Shape] = Field(default_factory=lambda: ["circle", "square", "triangle"], min_length=2)
-        colors: list[Color] = Field(default_factory=lambda: ["red", "green", "blue", "yellow"], min_length=2)
+        shapes: list[Shape] = Field(
+            default_factory=lambda: ["circle", "square", "triangle"], min_length=2, description="The kinds of shape drawn and asked about."
+        )
+        colors: list[Color] = Field(
+            default_factory=lambda: ["red", "green", "blue", "yellow"], min_length=2, description="The colours drawn and asked about."
+        )
         seed: int | None = Field(None, description="Seed of the generator; None: the run's seed.")
         instruction: str = Field(INSTRUCTION, description="Text after the question (states the answer format).")
         system_prompt: str | None = Field(None, description="A system message before the question; None: none.")
@@ -92,7 +96,7 @@ class ShapesTask:
             if cell < 12:
                 raise ValueError(
                     f"image_size {self.image_size} is too small for {self.max_count + self.max_distractors} shapes "
-                    f"(each needs a {12}x{12} pixel cell); raise image_size or lower max_count/max_distractors"
+                    "(each needs a 12x12 pixel cell); raise image_size or lower max_count/max_distractors"
                 )
             return self
 

@@ -22,6 +22,8 @@
 #                non-finite-gradient diagnosis of the GPU example
 #   lengths      the training pass on completions of varied length, padded and grouped by length
 #                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
+#   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
+#                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
 #                30 steps at the defaults (check_generators.py; the vllm cells need vLLM)
 #   all          every phase above whose requirements are met
@@ -40,8 +42,8 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths release all"
+[ $# -gt 0 ] || { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
 done
@@ -230,6 +232,11 @@ phase_lengths() {
   run lengths/0.5b "$PY" bench/bench_lengths.py --shape qwen2.5-0.5b --lora 0 --rows 64 --tokens 1024 --warmup 3 --repeats 7
 }
 
+phase_vlm() {
+  need_tokenizer
+  run vlm/256 "$PY" bench/bench_vlm.py --tokens 256 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1
+}
+
 phase_release() {
   need_tokenizer
   local generators=(transformers static)
@@ -240,13 +247,13 @@ phase_release() {
 
 for phase in "$@"; do
   case $phase in
-    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|release) "phase_$phase" ;;
+    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|vlm|release) "phase_$phase" ;;
     trl-vllm) if have_vllm; then phase_trl_vllm; else echo "=== trl-vllm: skipped (vLLM is not installed)"; fi ;;
     vllm) if have_vllm; then phase_vllm; else echo "=== vllm: skipped (vLLM is not installed)"; fi ;;
     all)
       phase_setup; phase_trl; phase_step; phase_generator; phase_decode; phase_memory; phase_unsloth
       if have_vllm; then phase_trl_vllm; phase_vllm; else echo "=== trl-vllm, vllm: skipped (vLLM is not installed)"; fi
-      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_release ;;
+      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_vlm; phase_release ;;
   esac
 done
 echo "=== results in $OUT_ROOT"

@@ -3,7 +3,7 @@
 
 Rewards: ``correct_answer``, ``exact_match``, ``math_verify``, ``format``, ``regex_match``,
 ``length``, ``overlong_punishment``, ``ngram_repetition``, ``json_valid``, ``json_schema``,
-``code_execution``, ``reward_model``. Task: ``arithmetic``. See docs/rewards.md.
+``code_execution``, ``reward_model``. Tasks: ``arithmetic``, ``shapes`` (pictures; docs/vision.md). See docs/rewards.md.
 
 Nothing heavy is imported here (torch, transformers, datasets and math_verify are imported when
 a reward is first called), so ``grpo-plugins list`` and ``validate`` stay fast.
@@ -22,6 +22,7 @@ from builtin_rewards.json_rewards import JsonSchemaMatch, JsonValid
 from builtin_rewards.lengths import LengthReward, OverlongPunishment, NgramRepetition
 from builtin_rewards.reward_model import RewardModel
 from builtin_rewards.tasks import ArithmeticTask
+from builtin_rewards.vision_tasks import ShapesTask
 
 REWARDS: dict[str, type] = {
     "correct_answer": CorrectAnswer,
@@ -48,3 +49,4 @@ def register_rewards(register: Callable[..., Any]) -> None:
 @hookimpl
 def register_tasks(register: Callable[..., Any]) -> None:
     register(ArithmeticTask, name="arithmetic")
+    register(ShapesTask, name="shapes")

@@ -334,7 +334,7 @@ class RolloutMaker:
                 # The training step's own passes, so each row sees the same input in both.
                 passes = plan_passes(
                     rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self.policy.multiple,
-                    cfg.train_chunk_rows, split=groups_by_length(cfg),
+                    cfg.train_chunk_rows, split=groups_by_length(cfg), min_pass_tokens=self.policy.min_pass_tokens,
                 )
                 rows = out[step.rows]  # (B, T) view
                 sources = rollout.input_prompts()[step.rows]

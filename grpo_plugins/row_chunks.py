@@ -47,12 +47,19 @@ def row_chunks(rows: int, chunk_rows: int | None) -> list[slice]:
 
 
 def length_chunks(
-    prompt_lengths: Sequence[int], completion_lengths: Sequence[int], chunk_rows: int | None, *, split: bool
+    prompt_lengths: Sequence[int],
+    completion_lengths: Sequence[int],
+    chunk_rows: int | None,
+    *,
+    split: bool,
+    min_pass_tokens: int = 0,
 ) -> tuple[list[int], list[slice]]:
     """The rows' order (longest first; stable) and consecutive chunks of that order.
 
-    A chunk's cost is its rows x (its longest prompt + its longest completion) tokens, plus
-    :data:`SPLIT_COST` of the whole padded micro-batch per chunk. With ``split`` the chunks are
+    A chunk's cost is its rows x (its longest prompt + its longest completion) tokens, at least
+    ``min_pass_tokens`` (a pass that small is bound by the host launching its kernels, not by its
+    tokens; see :func:`~grpo_plugins.policy.host_bound_tokens`), plus :data:`SPLIT_COST` of the
+    whole padded micro-batch per chunk. With ``split`` the chunks are
     the cheapest partition of the sorted rows (at most ``chunk_rows`` rows and at least two
     each); without it, ``chunk_rows`` rows each (one chunk when ``chunk_rows`` is None), in the
     original order when there is a single chunk.
@@ -77,7 +84,7 @@ def length_chunks(
                 break
             if rows < least and not (i == 0 and j == B):
                 continue
-            cost = best[i] + rows * (p + c) + overhead
+            cost = best[i] + max(rows * (p + c), min_pass_tokens) + overhead
             if cost < best[j]:
                 best[j], start[j] = cost, i
     cuts, j = [], B

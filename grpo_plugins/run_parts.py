@@ -30,7 +30,7 @@ from grpo_plugins.generators import build_generator, generator_ref
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.image_prompts import ImagePromptEncoder
 from grpo_plugins.objective import Objective
-from grpo_plugins.policy import Policy
+from grpo_plugins.policy import Policy, host_bound_tokens
 from grpo_plugins.precision import MasterWeights
 from grpo_plugins.prompts import PromptSource, PromptStream
 from grpo_plugins.quantization import is_quantized
@@ -258,6 +258,7 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
         policy.model, policy.unwrapped, policy.ref_model, policy.is_peft, functools.partial(training_passes, compiled),
         compiled.chunk_logps if compiled is not None else None,
         multiple=math.lcm(8 if compiled is not None else 1, cfg.pad_to_multiple_of or 1),
+        min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device),
     )
     prompts = PromptSource(
         dataset, prompt_column, environment, PromptStream(len(dataset), cfg.seed, cfg.shuffle_dataset),

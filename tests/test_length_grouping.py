@@ -54,6 +54,33 @@ def test_varied_lengths_cost_about_their_real_tokens() -> None:
     assert 2 <= len(chunks) <= 12
 
 
+def test_passes_below_the_host_bound_size_are_not_worth_a_split() -> None:
+    """On a GPU a pass smaller than ``min_pass_tokens`` costs as much as that many tokens (the
+    host launching its kernels sets its time): a small model's micro-batch stays one pass, a
+    large model's is still split where the split saves more than a host-bound pass costs."""
+    completions = _median_300_of_1024(64)
+    prompts = [60] * 64
+    padded = 64 * (60 + max(completions))
+    free = length_chunks(prompts, completions, None, split=True)[1]
+    small_model = length_chunks(prompts, completions, None, split=True, min_pass_tokens=150_000)[1]
+    assert small_model == [slice(0, 64)] and len(free) > 1
+    half = length_chunks(prompts, completions, None, split=True, min_pass_tokens=padded // 3)[1]
+    assert 1 < len(half) < len(free)
+    # A host-bound pass size far below the passes the split makes changes nothing (7B: ~2.5k).
+    assert length_chunks(prompts, completions, None, split=True, min_pass_tokens=500)[1] == free
+
+
+def test_host_bound_tokens_follow_the_model_size_on_cuda_only(tiny_model: dict) -> None:
+    from grpo_plugins.policy import host_bound_tokens
+
+    model, _ = load_model(tiny_model, dtype="float32", seed=0)
+    assert host_bound_tokens(model, torch.device("cpu")) == 0
+    tiny = host_bound_tokens(model, torch.device("cuda"))  # no CUDA needed: it only reads sizes
+    params = sum(p.numel() for p in model.parameters())
+    layers = model.config.num_hidden_layers
+    assert tiny == int(layers * 0.01 * 4e14 / (6 * params)) and tiny > 10**6
+
+
 def test_train_chunk_rows_caps_every_pass() -> None:
     completions = _median_300_of_1024(32, seed=1)
     order, chunks = length_chunks([10] * 32, completions, 5, split=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from grpo_plugins.compile_cache import compile_region
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.static_layers import (
@@ -196,12 +197,13 @@ class StaticDecoder:
             fn: Callable[..., None] = decode_step
             if self.compile:
                 # Regional compilation: one graph for a layer (shared by every layer) and one for
-                # the head and sampling, with batch rows and cache length symbolic. Compiling the
+                # the head and sampling, with batch rows and cache length symbolic (head counts and
+                # sampling settings constants: compile_region). Compiling the
                 # whole unrolled step instead took minutes on a 30-layer LoRA model and
                 # recompiled for every new (batch, prompt) bucket; now a bucket costs only a
                 # CUDA-graph capture.
-                layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True, backend=self.compile_backend)
-                head_fn = torch.compile(decode_head, fullgraph=True, dynamic=True, backend=self.compile_backend)
+                layer_fn = compile_region(decode_layer, fullgraph=True, backend=self.compile_backend)
+                head_fn = compile_region(decode_head, fullgraph=True, backend=self.compile_backend)
                 fn = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
             self._compiled_step = fn
         return self._compiled_step

@@ -17,7 +17,11 @@ and reports:
   tracing (``_compile.compile_inner`` minus the backend), AOTAutograd, inductor's code
   generation, backward compilation;
 * the cache counters: inductor's FX graph cache and AOTAutograd's cache hits, misses and
-  bypasses, graphs compiled, recompilations, graph breaks.
+  bypasses, graphs compiled, recompilations, graph breaks;
+* the time to load the project's compile cache (``*``: a file was loaded).
+
+``--fresh-inductor`` gives every run an empty inductor cache, so that only the project's compile
+cache carries over (a machine whose ``/tmp`` was wiped).
 
 Writes ``$OUT/profile_compile.json`` (``OUT`` defaults to ``outputs/bench``).
 """
@@ -63,6 +67,25 @@ def _force_inductor() -> None:
         return params.compile, original(params, on_cuda, quantized)[1]
 
     static_cache.decode_flags = decode_flags  # type: ignore[assignment]
+
+
+def _time_cache_load() -> dict[str, Any]:
+    """Time the project's compile cache load (where this checkout has one)."""
+    result: dict[str, Any] = {"seconds": 0.0, "loaded": False}
+    try:
+        from grpo_plugins.compile_cache import CompileCache
+    except ImportError:
+        return result
+    original = CompileCache.load
+
+    def load(self: Any) -> bool:
+        t0 = time.perf_counter()
+        result["loaded"] = original(self)
+        result["seconds"] += time.perf_counter() - t0
+        return result["loaded"]
+
+    CompileCache.load = load  # type: ignore[method-assign]
+    return result
 
 
 def _phases() -> dict[str, float]:
@@ -120,6 +143,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     t_import = time.perf_counter() - t_start
     _force_inductor()
+    cache_load = _time_cache_load()
     work = Path(tempfile.mkdtemp(prefix="profile_compile_"))
     overrides = dict(
         num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
@@ -162,6 +186,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "device": device,
         "torch": torch.__version__,
         "import_s": t_import,
+        "cache_load_s": cache_load["seconds"],
+        "cache_loaded": cache_load["loaded"],
         "train_s": train_s,
         "total_s": time.perf_counter() - t_start,
         **compile_stats(),
@@ -177,7 +203,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def _row(label: str, r: dict[str, Any]) -> str:
     p, c = r["phases"], r["counters"]
     return (
-        f"{label:<10} compile {r['compile/seconds']:6.1f}s  wall {r['total_s']:6.1f}s | "
+        f"{label:<10} compile {r['compile/seconds']:6.1f}s  wall {r['total_s']:6.1f}s  "
+        f"cache load {r.get('cache_load_s', 0.0):4.1f}s{'*' if r.get('cache_loaded') else ' '} | "
         f"tracing {p['dynamo_tracing']:5.1f}  aot+ind fw {p['backend_forward']:5.1f}  bw {p['backward_compile']:5.1f}  "
         f"codegen {p['inductor_codegen']:5.1f} | graphs {c['graphs']:3d} recompiles {c['recompiles']:2d} "
         f"breaks {c['graph_breaks']:2d} | fx hit/miss/bypass {c['fxgraph_hit']}/{c['fxgraph_miss']}/{c['fxgraph_bypass']}  "
@@ -195,6 +222,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="max_completion_length")
     parser.add_argument("--generator", default="static", help="generator name ('' for the default)")
     parser.add_argument("--cache-dir", default=None, help="reuse this cache dir (default: a new empty one per variant)")
+    parser.add_argument(
+        "--fresh-inductor", action="store_true",
+        help="give every run an empty inductor cache (a machine whose /tmp was wiped): only the project's compile cache carries over",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -218,6 +249,8 @@ def main() -> None:
         for run in range(args.runs):
             result_file = cache / f"result_{run}.json"
             cache.mkdir(parents=True, exist_ok=True)
+            if args.fresh_inductor:
+                env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_", dir=cache)
             cmd = [
                 sys.executable, __file__, "--child", "--result", str(result_file), "--variant", variant,
                 "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),

@@ -19,6 +19,7 @@ step that compiled something new. A file that cannot be read or loaded is skippe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -45,8 +46,18 @@ def compile_region(fn: Callable[..., Any], *, backend: Any = "inductor", fullgra
     """``torch.compile(fn, dynamic=True)`` with tensor sizes symbolic and Python ints and floats
     constants. The result is a plain function (it binds as a method like ``fn``)."""
     compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=fullgraph)
-    # Dynamo reads its config when it traces, i.e. inside the call; the patch is scoped to it.
-    return torch._dynamo.config.patch(**_DYNAMO_SETTINGS)(compiled)
+    config = torch._dynamo.config
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # Dynamo reads its config when it traces, i.e. inside the call: the settings hold for
+        # the call only. A fresh patch per call: older torch's patch objects cannot be nested.
+        if all(getattr(config, key) == value for key, value in _DYNAMO_SETTINGS.items()):
+            return compiled(*args, **kwargs)
+        with config.patch(**_DYNAMO_SETTINGS):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def default_cache_dir() -> Path | None:

@@ -14,7 +14,7 @@ inductor's generated code, AOTAutograd's graphs, autotuning results) in one file
 version, device, model shape and compile settings, under ``~/.cache/grpo-plugins/compile`` (or
 the directory named by ``GRPO_PLUGINS_COMPILE_CACHE``; ``0``/``off`` turns it off). A run loads
 its file before compiling, which fills torch's own caches, and rewrites it (atomically) after a
-step that compiled something new. A file that cannot be read or loaded is skipped with a warning.
+step in which torch's caches missed (a run whose graphs all came from them leaves it alone). A file that cannot be read or loaded is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class CompileCache:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._saved_graphs = -1  # the graph count at the last save (or load)
+        self._saved_misses = 0  # torch's cache misses at the last save
 
     @classmethod
     def for_run(cls, model: Any, device: torch.device, settings: dict[str, Any], directory: Path | None = None) -> CompileCache:
@@ -151,17 +151,19 @@ class CompileCache:
             logger.warning("compile cache: %s holds no artifacts this torch can use; compiling from scratch", self.path)
             return False
         logger.info("compile cache: loaded %s", self.path)
-        self._saved_graphs = _graph_count()
         return True
 
     def save_if_new(self) -> bool:
-        """Write the artifacts of this process's compilations to the file when a graph was
-        compiled since the last save (atomically: a temporary file, then a rename); True if it
-        wrote."""
-        graphs = _graph_count()
-        if self.path is None or graphs <= self._saved_graphs or graphs == 0:
+        """Write the artifacts of this process's compilations to the file (atomically: a
+        temporary file, then a rename) when torch's caches missed since the last save, or when
+        there is no file yet; True if it wrote. A run whose graphs all came from the caches
+        leaves the file as it is."""
+        if self.path is None:
             return False
-        self._saved_graphs = graphs
+        misses = _cache_misses()
+        if misses <= self._saved_misses and (self.path.is_file() or _graph_count() == 0):
+            return False
+        self._saved_misses = misses
         try:
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is None:
@@ -195,3 +197,11 @@ def _graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _cache_misses() -> int:
+    """Graphs inductor and AOTAutograd compiled rather than found in their caches so far."""
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"] + aot["autograd_cache_miss"])

@@ -101,6 +101,9 @@ def test_artifacts_saved_by_one_run_are_loaded_by_the_next(
     again = compile_region(lambda x: torch.sin(x) * 2 + 1, backend="inductor")
     assert torch.equal(again(x), expected)
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    before = cache.path.stat().st_mtime_ns
+    assert not fresh.save_if_new()  # everything came from the caches: the file is left alone
+    assert cache.path.stat().st_mtime_ns == before
 
 
 def test_an_unusable_cache_file_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -135,3 +138,38 @@ def test_a_lora_model_gets_the_same_file_in_every_process(tmp_path: Path) -> Non
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
         paths.add(out.stdout.strip().splitlines()[-1])
     assert len(paths) == 1, paths
+
+
+def test_a_compiling_run_loads_the_cache_before_compiling_and_saves_after_steps(
+    tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._dynamo.utils import counters
+
+    from grpo_plugins.engine import Engine
+    from grpo_plugins.models import load_model
+
+    calls: list[tuple[str, Path | None, int]] = []
+    monkeypatch.setattr(CompileCache, "load", lambda self: calls.append(("load", self.path, int(counters["stats"]["unique_graphs"]))) or False)
+    monkeypatch.setattr(CompileCache, "save_if_new", lambda self: calls.append(("save", self.path, int(counters["stats"]["unique_graphs"]))) or False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    counters.clear()
+
+    def run(compile_layers: bool) -> None:
+        model, tok = load_model(tiny_model, dtype="float32", seed=0, gradient_checkpointing=True)
+        cfg = {
+            "model": tiny_model, "task": None, "output_dir": str(tmp_path / f"out-{compile_layers}"), "max_steps": 2,
+            "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 4,
+            "report_to": ["jsonl"], "compile_layers": compile_layers,
+        }
+        Engine(cfg, model=model, tokenizer=tok, rewards=[lambda completions, **kw: [0.0] * len(completions)], dataset=[{"prompt": "ab"}] * 4).train()
+
+    run(False)  # nothing compiles (the CPU's transformers generator, eager layers): no cache at all
+    assert [c for c in calls if c[1] is not None] == []
+    run(True)
+    loads = [c for c in calls if c[0] == "load"]
+    saves = [c for c in calls if c[0] == "save" and c[1] is not None]
+    assert len(loads) == 1 and loads[-1][1] is not None and loads[-1][1].parent == tmp_path / "cache"
+    assert loads[-1][2] == 0  # before anything compiled
+    assert len(saves) == 3 and saves[0][2] > 0  # after each optimizer step and at the end, once compiled
+    assert all(s[1] == loads[-1][1] for s in saves)

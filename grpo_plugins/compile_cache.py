@@ -19,6 +19,7 @@ step in which torch's caches missed (a run whose graphs all came from them leave
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,37 +28,58 @@ import os
 import platform
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["CACHE_ENV", "CompileCache", "compile_region", "default_cache_dir"]
+__all__ = ["CACHE_ENV", "CompileCache", "compile_region", "compile_settings", "default_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
 #: The environment variable naming the compile cache directory (``0``, ``off``, ``false``: none).
 CACHE_ENV = "GRPO_PLUGINS_COMPILE_CACHE"
 
-#: Dynamo settings for every compiled region (see the module docstring).
+#: Dynamo settings for every compiled region (see the module docstring; compile_region's fast
+#: path checks these two by name).
 _DYNAMO_SETTINGS = {"specialize_int": True, "specialize_float": True}
 
 
 def compile_region(fn: Callable[..., Any], *, backend: Any = "inductor", fullgraph: bool = False) -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=True)`` with tensor sizes symbolic and Python ints and floats
-    constants. The result is a plain function (it binds as a method like ``fn``)."""
+    constants (:func:`compile_settings` around each call). The result is a plain function (it
+    binds as a method like ``fn``)."""
     compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=fullgraph)
+
     config = torch._dynamo.config
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        # Dynamo reads its config when it traces, i.e. inside the call: the settings hold for
-        # the call only. A fresh patch per call: older torch's patch objects cannot be nested.
-        if all(getattr(config, key) == value for key, value in _DYNAMO_SETTINGS.items()):
+        if config.specialize_int and config.specialize_float:  # inside a block already: the fast path
             return compiled(*args, **kwargs)
-        with config.patch(**_DYNAMO_SETTINGS):
+        with compile_settings():
             return compiled(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def compile_settings() -> Iterator[None]:
+    """Dynamo's settings for :func:`compile_region` inside the block (dynamo reads them when it
+    traces, i.e. inside a call). Nothing to do where they hold already, so a block around many
+    calls (a training pass, a decode step) makes each call's own switch nearly free."""
+    config = torch._dynamo.config
+    prior = {key: getattr(config, key) for key in _DYNAMO_SETTINGS}
+    if prior == _DYNAMO_SETTINGS:
+        yield
+        return
+    for key, value in _DYNAMO_SETTINGS.items():
+        setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for key, value in prior.items():
+            setattr(config, key, value)
 
 
 def default_cache_dir() -> Path | None:

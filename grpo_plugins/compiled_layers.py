@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo_plugins.compile_cache import compile_region
+from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.logprobs import chunk_logps
 
 __all__ = ["CompiledLayers", "compile_stats", "compiled_layers_for", "decoder_layers", "layers_active"]
@@ -95,7 +95,8 @@ class CompiledLayers:
         # no later layer's input does: there it is detached. Values and gradients are unchanged.
         hook = self.embeddings.register_forward_hook(_same_input_kind) if self.embeddings is not None else None
         try:
-            yield
+            with compile_settings():  # once for the block rather than once per layer call
+                yield
         finally:
             if hook is not None:
                 hook.remove()

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from grpo_plugins.compile_cache import compile_region
+from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.static_layers import (
@@ -80,6 +80,11 @@ def bucket(n: int, multiple: int) -> int:
 def batch_bucket(n: int) -> int:
     """The batch rows a graph is built for: the next power of two, at least 8."""
     return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _with_compile_settings(step: Callable[..., None], *args: Any) -> None:
+    with compile_settings():  # once per decode step rather than once per layer
+        step(*args)
 
 
 @dataclass
@@ -204,7 +209,8 @@ class StaticDecoder:
                 # CUDA-graph capture.
                 layer_fn = compile_region(decode_layer, fullgraph=True, backend=self.compile_backend)
                 head_fn = compile_region(decode_head, fullgraph=True, backend=self.compile_backend)
-                fn = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
+                step = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
+                fn = functools.partial(_with_compile_settings, step)
             self._compiled_step = fn
         return self._compiled_step
 

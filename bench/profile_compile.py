@@ -14,8 +14,10 @@ and reports:
 
 * ``compile/seconds`` (``compile_stats()``, what the step log shows) and the wall time;
 * torch's per-phase timers (``torch._dynamo.utils.compilation_time_metrics``): dynamo's
-  tracing (``_compile.compile_inner`` minus the backend), AOTAutograd, inductor's code
-  generation, backward compilation;
+  tracing (``_compile.compile_inner`` minus the backend), the backend on the forward graph
+  (AOTAutograd and inductor, cache lookups included), inductor's code generation (forward and
+  backward), backward compilation, and the frame compiles (a restarted trace or a
+  recompilation counts again);
 * the cache counters: inductor's FX graph cache and AOTAutograd's cache hits, misses and
   bypasses, graphs compiled, recompilations, graph breaks;
 * the time to load the project's compile cache (``*``: a file was loaded).
@@ -103,7 +105,8 @@ def _phases() -> dict[str, float]:
         "dynamo_tracing": compile_inner - backend,  # bytecode analysis, guards, FX graph
         "backend_forward": backend,  # AOTAutograd + inductor for the forward (and joint) graph
         "aot_dispatch": total("create_aot_dispatcher_function"),
-        "inductor_codegen": total("fx_codegen_and_compile", "compile_fx_inner"),
+        "inductor_codegen": sums.get("fx_codegen_and_compile", 0.0),  # forward and backward graphs
+        "frame_compiles": float(len(compilation_time_metrics.get("_compile.compile_inner", []))),
         "backward_compile": total("bw_compiler"),
         "cache_load": total("load_cache_artifacts", "compile_cache_load"),
         "raw": sums,
@@ -117,7 +120,7 @@ def _counters() -> dict[str, Any]:
     return {
         "graphs": counters["stats"]["unique_graphs"],
         "frames_calls": counters["stats"]["calls_captured"],
-        "recompiles": sum(counters["recompiles"].values()),
+        "recompiles": sum(counters["recompiles"].values()),  # what this torch counts as one
         "recompile_reasons": dict(counters["recompiles"]),
         "graph_breaks": sum(counters["graph_break"].values()),
         "graph_break_reasons": dict(counters["graph_break"]),
@@ -206,7 +209,7 @@ def _row(label: str, r: dict[str, Any]) -> str:
         f"{label:<10} compile {r['compile/seconds']:6.1f}s  wall {r['total_s']:6.1f}s  "
         f"cache load {r.get('cache_load_s', 0.0):4.1f}s{'*' if r.get('cache_loaded') else ' '} | "
         f"tracing {p['dynamo_tracing']:5.1f}  aot+ind fw {p['backend_forward']:5.1f}  bw {p['backward_compile']:5.1f}  "
-        f"codegen {p['inductor_codegen']:5.1f} | graphs {c['graphs']:3d} recompiles {c['recompiles']:2d} "
+        f"codegen {p['inductor_codegen']:5.1f} | graphs {c['graphs']:3d} frame compiles {p['frame_compiles']:3.0f} "
         f"breaks {c['graph_breaks']:2d} | fx hit/miss/bypass {c['fxgraph_hit']}/{c['fxgraph_miss']}/{c['fxgraph_bypass']}  "
         f"aot hit/miss/bypass {c['aot_hit']}/{c['aot_miss']}/{c['aot_bypass']}"
     )

@@ -93,7 +93,7 @@ def _time_cache_load() -> dict[str, Any]:
 def _phases() -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
 
-    sums = {key: float(sum(times)) for key, times in compilation_time_metrics.items()}
+    sums = {key: float(sum(times)) for key, times in compilation_time_metrics.items()}  # in call order
 
     def total(*needles: str) -> float:
         return sum(v for k, v in sums.items() if any(n in k for n in needles))
@@ -107,6 +107,7 @@ def _phases() -> dict[str, float]:
         "aot_dispatch": total("create_aot_dispatcher_function"),
         "inductor_codegen": sums.get("fx_codegen_and_compile", 0.0),  # forward and backward graphs
         "frame_compiles": float(len(compilation_time_metrics.get("_compile.compile_inner", []))),
+        "each_frame_compile": [round(float(t), 3) for t in compilation_time_metrics.get("_compile.compile_inner", [])],
         "backward_compile": total("bw_compiler"),
         "cache_load": total("load_cache_artifacts", "compile_cache_load"),
         "raw": sums,

@@ -14,7 +14,8 @@ inductor's generated code, AOTAutograd's graphs, autotuning results) in one file
 version, device, model shape and compile settings, under ``~/.cache/grpo-plugins/compile`` (or
 the directory named by ``GRPO_PLUGINS_COMPILE_CACHE``; ``0``/``off`` turns it off). A run loads
 its file before compiling, which fills torch's own caches, and rewrites it (atomically) after a
-step in which torch's caches missed (a run whose graphs all came from them leaves it alone). A file that cannot be read or loaded is skipped with a warning.
+step in which torch's caches missed (a run whose graphs all came from them leaves it alone). A
+file that cannot be read or loaded is skipped with a warning.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ rotary embedding, SiLU, casts), each costing tens of microseconds of host time. 
 0.5B-parameter model the host, not the GPU, then sets the pace of a training step, and every
 extra forward+backward (row chunks, see ``row_chunks``) costs its full host time again.
 Compiling each layer's ``forward`` (one compiled function shared by all layers of a class,
-``dynamic=True`` so that rows and lengths do not recompile; see ``compile_cache.compile_region``) fuses the elementwise work and cuts
-the launches several-fold. The compiled forward runs inside the model's own activation
-checkpointing, which recomputes it in backward as usual. The chunked log-softmax over the
+``dynamic=True`` so that rows and lengths do not recompile; see
+``compile_cache.compile_region``) fuses the elementwise work and cuts the launches several-fold.
+The compiled forward runs inside the model's own activation checkpointing, which recomputes it
+in backward as usual. The chunked log-softmax over the
 vocabulary (``logprobs.chunk_logps``) is compiled too, which also removes its (N, vocab) float32
 temporaries (softmax, products) from the peak memory.
 

@@ -5,9 +5,10 @@ rotary embedding, SiLU, casts), each costing tens of microseconds of host time. 
 0.5B-parameter model the host, not the GPU, then sets the pace of a training step, and every
 extra forward+backward (row chunks, see ``row_chunks``) costs its full host time again.
 Compiling each layer's ``forward`` (one compiled function shared by all layers of a class,
-``dynamic=True`` so that rows and lengths do not recompile) fuses the elementwise work and cuts
-the launches several-fold. The compiled forward runs inside the model's own activation
-checkpointing, which recomputes it in backward as usual. The chunked log-softmax over the
+``dynamic=True`` so that rows and lengths do not recompile; see
+``compile_cache.compile_region``) fuses the elementwise work and cuts the launches several-fold.
+The compiled forward runs inside the model's own activation checkpointing, which recomputes it
+in backward as usual. The chunked log-softmax over the
 vocabulary (``logprobs.chunk_logps``) is compiled too, which also removes its (N, vocab) float32
 temporaries (softmax, products) from the peak memory.
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.logprobs import chunk_logps
 
 __all__ = ["CompiledLayers", "compile_stats", "compiled_layers_for", "decoder_layers", "layers_active"]
@@ -74,29 +76,28 @@ class CompiledLayers:
         for layer in layers:
             cls = type(layer)
             if cls not in compiled:
-                compiled[cls] = torch.compile(cls.forward, backend=backend, dynamic=True)
+                compiled[cls] = compile_region(cls.forward, backend=backend)
         self._forwards = [compiled[type(layer)].__get__(layer) for layer in layers]
         #: One chunk of the chunked log-softmax (pass as ``completion_logps(chunk_fn=...)``): the
         #: log-sum-exp, target gather and entropy fused, without (N, vocab) float32 temporaries.
-        self.chunk_logps = torch.compile(chunk_logps, backend=backend, dynamic=True)
+        self.chunk_logps = compile_region(chunk_logps, backend=backend)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Layers run their compiled forward inside the block (not re-entrant)."""
         for layer, forward in zip(self.layers, self._forwards):
             layer.forward = forward  # instance attribute: nn.Module.__call__ looks it up first
-        hook = None
-        weight = getattr(self.embeddings, "weight", None)
-        if isinstance(weight, torch.Tensor) and not weight.requires_grad:
-            # Frozen embeddings (LoRA) give the first layer an input that does not require grad and
-            # every later layer one that does; the compiled forward guards on that, so it would
-            # compile twice (forward and backward). Making the embeddings' output require grad (as
-            # transformers' enable_input_require_grads does, here only inside the block) gives
-            # every layer the same input kind: one graph, the same values and gradients.
-            assert self.embeddings is not None
-            hook = self.embeddings.register_forward_hook(_output_requires_grad)
+        # Every layer must see the same kind of input, or the compiled forward, which guards on
+        # it, compiles a second graph (forward and backward) for the first layer. Frozen
+        # embeddings (LoRA) give the first layer an input that does not require grad and every
+        # later layer one that does: inside the block their output requires grad (as
+        # transformers' enable_input_require_grads does). And transformers' own hook of that kind
+        # (installed with gradient checkpointing) makes it require grad under no_grad too, where
+        # no later layer's input does: there it is detached. Values and gradients are unchanged.
+        hook = self.embeddings.register_forward_hook(_same_input_kind) if self.embeddings is not None else None
         try:
-            yield
+            with compile_settings():  # once for the block rather than once per layer call
+                yield
         finally:
             if hook is not None:
                 hook.remove()
@@ -137,9 +138,14 @@ def compiled_layers_for(
     return CompiledLayers.for_model(model, backend="inductor" if on_cuda else "aot_eager")
 
 
-def _output_requires_grad(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+def _same_input_kind(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor | None:
+    if not isinstance(output, torch.Tensor):
+        return None
+    if not torch.is_grad_enabled():
+        return output.detach() if output.requires_grad else None
+    if not output.requires_grad:
         output.requires_grad_(True)
+    return None
 
 
 @contextlib.contextmanager

@@ -208,6 +208,7 @@ class Engine:
         self.console.compiling = self.parts.compiles
 
     def _teardown(self) -> None:
+        self.parts.save_compiled()  # e.g. the decode graphs of a final evaluation
         self.parts.close()
         self.heap.release()
 
@@ -257,6 +258,7 @@ class Engine:
                         record = self._optimizer_step(rollout, window, items)
                     window = AccumulationWindow()
                     log.step(self.global_step, record, self.num_tokens)
+                    parts.save_compiled()
                     done = self.global_step >= parts.total_steps
                     # Where a checkpoint taken now resumes: this cycle's next micro-step, or the next cycle.
                     resume_at = (cycle, k + 1, rollout) if k + 1 < len(steps) else (cycle + 1, 0, None)

@@ -14,7 +14,7 @@ import copy
 import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from grpo_plugins import sharding
 from grpo_plugins.attention import training_passes
 from grpo_plugins.batching import BatchPlan
+from grpo_plugins.compile_cache import CompileCache
 from grpo_plugins.compiled_layers import compiled_layers_for
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.episodes import build_environment
@@ -164,6 +165,8 @@ class RunParts:
         evaluator: evaluates every ``eval_every`` steps (``eval_strategy: steps``), else None.
         compiles: the first step compiles (compiled layers or the static generator).
         own_process_group: FSDP on one process made a group of one, ended by :meth:`close`.
+        compile_cache: torch's compile artifacts kept between runs (loaded already; saved by
+            :meth:`save_compiled`).
     """
 
     accelerator: Any
@@ -184,6 +187,12 @@ class RunParts:
     eval_every: int
     compiles: bool
     own_process_group: bool
+    compile_cache: CompileCache = field(default_factory=lambda: CompileCache(None))
+
+    def save_compiled(self) -> None:
+        """Save what was compiled since the last save to the compile cache (main process)."""
+        if self.accelerator.is_main_process:
+            self.compile_cache.save_if_new()
 
     def close(self) -> None:
         """Let go of the rewards' workers, the environment's threads, the generator's engine
@@ -239,6 +248,10 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
     compiles = policy.compiled_layers is not None or generator_ref(
         cfg, cuda=acc.device.type == "cuda", vision=vision
     ).name == "static"
+    compile_cache = CompileCache(None)
+    if compiles:
+        compile_cache = CompileCache.for_run(policy.unwrapped, acc.device, _compile_settings(cfg, policy, generator))
+        compile_cache.load()
     environment = build_environment(cfg, reg, generator, tokenizer, given.environment)
     dataset, task, prompt_column = prepare_dataset(
         cfg, reg, tokenizer, given.dataset, encode=lambda prompts: environment.encode_prompts(prompts, None, "error"),
@@ -288,5 +301,17 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
         accelerator=acc, plan=plan, policy=policy, scheduler=scheduler, generator=generator,
         environment=environment, dataset=dataset, prompt_column=prompt_column, task=task, rewards=rewards,
         guard=guard, total_steps=total_steps, rollouts=rollouts, update=update, evaluator=evaluator,
-        eval_every=eval_every, compiles=compiles, own_process_group=own_process_group,
+        eval_every=eval_every, compiles=compiles, own_process_group=own_process_group, compile_cache=compile_cache,
     )
+
+
+def _compile_settings(config: GRPOConfig, policy: TrainedModel, generator: Any) -> dict[str, Any]:
+    """What besides the model and torch shapes the compiled graphs (the compile cache's key)."""
+    params = next(policy.unwrapped.parameters(), None)
+    return {
+        "dtype": str(params.dtype) if params is not None else None,
+        "compile_layers": policy.compiled_layers is not None,
+        "generator": repr(getattr(generator, "params", type(generator).__name__)),
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "attn_implementation": getattr(policy.unwrapped.config, "_attn_implementation", None),
+    }

@@ -8,6 +8,8 @@ import os
 # process (tests, workers and DDP subprocesses at once) fight for the cores. Set before torch
 # is imported, so subprocesses inherit it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests never read or write the user's compile cache (tests of the cache name their own).
+os.environ["GRPO_PLUGINS_COMPILE_CACHE"] = "off"
 
 import pytest  # noqa: E402
 

@@ -103,6 +103,27 @@ def test_a_lora_model_without_checkpointing_compiles_its_layer_once() -> None:
         assert not embeddings(ids).requires_grad
 
 
+def test_no_grad_passes_compile_one_layer_graph_for_every_layer() -> None:
+    """Gradient checkpointing installs transformers' hook that makes the embeddings' output
+    require grad, under no_grad too, where no later layer's input does; inside the block the
+    first layer gets a detached input, so the log-prob passes (no_grad) compile one layer graph,
+    with the eager values."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(3))
+    att = torch.ones_like(ids)
+    with torch.no_grad():
+        assert model.get_input_embeddings()(ids).requires_grad  # the premise: transformers' hook
+        eager, _ = completion_logps(model, ids, att, 4, chunk_size=5)
+    layers = CompiledLayers.for_model(model, backend="aot_eager")
+    assert layers is not None
+    with torch.no_grad(), layers.active():
+        compiled, _ = completion_logps(model, ids, att, 4, chunk_size=5, chunk_fn=layers.chunk_logps)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2  # the layer, the log-softmax chunk
+
+
 def test_compiled_forward_is_installed_only_inside_the_block() -> None:
     model = _model("llama", layers=2)
     layers = CompiledLayers(decoder_layers(model), backend="aot_eager")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.static_layers import (
@@ -94,6 +95,11 @@ def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[i
     n = max(1, T - 1)
     step = max(step, math.ceil(n / most))
     return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
+
+
+def _with_compile_settings(step: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    with compile_settings():  # once per decode step rather than once per layer
+        step(*args, **kwargs)
 
 
 @dataclass
@@ -239,13 +245,15 @@ class StaticDecoder:
             fn: Callable[..., None] = decode_step
             if self.compile:
                 # Regional compilation: one graph for a layer (shared by every layer) and one for
-                # the head and sampling, with batch rows and cache length symbolic. Compiling the
+                # the head and sampling, with batch rows and cache length symbolic (head counts and
+                # sampling settings constants: compile_region). Compiling the
                 # whole unrolled step instead took minutes on a 30-layer LoRA model and
                 # recompiled for every new (batch, prompt) bucket; now a bucket costs only a
                 # CUDA-graph capture.
-                layer_fn = torch.compile(decode_layer, fullgraph=True, dynamic=True, backend=self.compile_backend)
-                head_fn = torch.compile(decode_head, fullgraph=True, dynamic=True, backend=self.compile_backend)
-                fn = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
+                layer_fn = compile_region(decode_layer, fullgraph=True, backend=self.compile_backend)
+                head_fn = compile_region(decode_head, fullgraph=True, backend=self.compile_backend)
+                step = functools.partial(decode_step, layer_fn=layer_fn, head_fn=head_fn)
+                fn = functools.partial(_with_compile_settings, step)
             self._compiled_step = fn
         return self._compiled_step
 

@@ -99,7 +99,7 @@ def test_config_that_is_not_a_mapping(tmp_path: Path, capsys: pytest.CaptureFixt
     ("changes", "says"),
     [
         ({"learning_rte": 1e-5}, ["learning_rte", "did you mean 'learning_rate'"]),
-        ({"lora": {"rank": 8}}, ["lora.rank", "unknown key 'rank'", "allowed keys: bias, lora_alpha"]),
+        ({"lora": {"rank": 8}}, ["lora.rank", "unknown key 'rank'", "allowed keys: bias, dtype, lora_alpha"]),
         ({"per_device_train_batch_size": "many"}, ["per_device_train_batch_size", "integer", "'many'"]),
         ({"rewards": "test_bad_input:char_count"}, ["rewards", "list"]),
         ({"top_p": 1.5}, ["top_p", "less than or equal to 1"]),

@@ -139,6 +139,10 @@ class TransformersGenerator(Generator):
         # them from the model's own generation_config (or global defaults such as top_k=50) and
         # apply them after our processors, so tokens would be sampled from a distribution the
         # loss and the recorded sampling log-probs know nothing about.
+        extra = dict(self.sampling.extra)  # generation_kwargs (the sampling ones were moved to their keys)
+        # A vision model's image tokens are never sampled, on top of any the user suppresses.
+        suppress = [*(extra.pop("suppress_tokens", None) or [])]
+        suppress += [t for t in placeholder_token_ids(model.config) or [] if t not in suppress]
         return GenerationConfig(
             do_sample=True,
             num_beams=1,
@@ -155,8 +159,8 @@ class TransformersGenerator(Generator):
             eos_token_id=eos_token_ids(model, self.tokenizer),
             use_cache=True,
             return_dict_in_generate=True,
-            suppress_tokens=placeholder_token_ids(model.config) or None,  # a vision model's image tokens
-            **self.sampling.extra,  # generation_kwargs (the sampling ones were moved to their keys)
+            suppress_tokens=suppress or None,
+            **extra,
         )
 
     def _generate_batch(self, model: Any, prompt_ids: list[list[int]]) -> tuple[Tensor, Tensor]:

@@ -179,6 +179,11 @@ class GRPOConfig(StrictModel):
         ge=1,
         description="Rows per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. Less activation memory; None: the whole micro-batch at once.",
     )
+    train_pass_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="At most this many tokens (rows x the pass's padded length) per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. With group_by_length a pass of short completions holds more rows than one of long ones, so it bounds activation memory where train_chunk_rows would bound rows (e.g. 8192 for a 7B model without gradient checkpointing on an H200). A row longer than it still gets a pass. None: no limit.",
+    )
     group_by_length: bool = Field(
         True,
         description="Sort a micro-step's rows by length and split them where that saves padding (at most train_chunk_rows rows a pass), each pass cut to its own longest row: a training pass costs about its real tokens, not rows x the longest completion. Same loss and gradient up to float rounding. Off with top_entropy_quantile < 1 (its quantile is per pass) and with fsdp (every process must make the same passes).",

@@ -128,6 +128,12 @@ def out_of_memory_advice(config: GRPOConfig, phase: str, generator_advice: Seque
     suggestion = max(1, (rows or c.per_device_train_batch_size) // 4)
     chunk_rows = f"train_chunk_rows ({rows}; e.g. {suggestion}: that many rows per forward+backward, same results)"
     advice = [chunk_rows] if suggestion < c.per_device_train_batch_size else []
+    if phase == "training":
+        tokens = c.train_pass_tokens
+        pass_tokens = (tokens // 2) if tokens else 8192
+        advice.append(
+            f"train_pass_tokens ({tokens}; e.g. {pass_tokens}: at most that many rows x tokens per forward+backward, same results)"
+        )
     if phase == "training" and c.gradient_checkpointing and not c.activation_offload:
         advice.append("activation_offload (false; true keeps the checkpointed layers' inputs in CPU memory)")
     advice += [batch, length, chunk]

@@ -33,6 +33,8 @@ class Policy:
         images: prompt indices -> their image inputs (a vision-language model's run), else None.
         min_pass_tokens: the tokens below which a forward+backward pass costs no less
             (:func:`host_bound_tokens`); the pass planner does not split below it.
+        max_pass_tokens: the most tokens (rows x padded length) one pass may hold
+            (``train_pass_tokens``), or None.
     """
 
     model: Any
@@ -44,6 +46,7 @@ class Policy:
     multiple: int = 1
     images: Callable[[Sequence[int]], list[MultimodalInputs | None]] | None = None
     min_pass_tokens: int = 0
+    max_pass_tokens: int | None = None
 
     def image_inputs(self, prompt_index: Sequence[int], ids: Tensor, t: int) -> dict[str, Tensor]:
         """The image inputs of a pass over rows of prompts ``prompt_index`` (``ids`` (B, P+t));
@@ -150,16 +153,18 @@ def plan_passes(
     chunk_rows: int | None,
     split: bool,
     min_pass_tokens: int = 0,
+    max_pass_tokens: int | None = None,
 ) -> MicroBatchPasses:
     """The :class:`MicroBatchPasses` of one micro-batch (``input_ids`` (B, P+T) with T completion
-    columns): ``chunk_rows`` rows a pass at most, split by length when ``split`` (no pass costed
-    below ``min_pass_tokens``)."""
+    columns): ``chunk_rows`` rows and ``max_pass_tokens`` padded tokens a pass at most, split by
+    length when ``split`` (no pass costed below ``min_pass_tokens``)."""
     from grpo_plugins.row_chunks import length_chunks
 
     ids, att, t = trim_padding(input_ids, attention_mask, T, multiple)  # (B, P'+t)
     completion = att[:, ids.shape[1] - t :].sum(1)  # (B,)
     order, chunks = length_chunks(
-        (att.sum(1) - completion).tolist(), completion.tolist(), chunk_rows, split=split, min_pass_tokens=min_pass_tokens
+        (att.sum(1) - completion).tolist(), completion.tolist(), chunk_rows, split=split,
+        min_pass_tokens=min_pass_tokens, max_pass_tokens=max_pass_tokens,
     )
     if order == sorted(order):
         return MicroBatchPasses(ids, att, t, None, chunks)

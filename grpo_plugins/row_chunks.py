@@ -53,6 +53,7 @@ def length_chunks(
     *,
     split: bool,
     min_pass_tokens: int = 0,
+    max_pass_tokens: int | None = None,
 ) -> tuple[list[int], list[slice]]:
     """The rows' order (longest first; stable) and consecutive chunks of that order.
 
@@ -63,8 +64,16 @@ def length_chunks(
     the cheapest partition of the sorted rows (at most ``chunk_rows`` rows and at least two
     each); without it, ``chunk_rows`` rows each (one chunk when ``chunk_rows`` is None), in the
     original order when there is a single chunk.
+
+    ``max_pass_tokens`` caps a chunk's rows x (longest prompt + longest completion): with
+    ``split``, no chunk above it unless it has too few rows to split (two or three); without,
+    the rows per chunk are lowered until the longest rows fit (at least one).
     """
     B = len(prompt_lengths)
+    if not split and max_pass_tokens is not None and B:
+        widest = max(p + c for p, c in zip(prompt_lengths, completion_lengths))
+        fitting = max(1, max_pass_tokens // max(widest, 1))
+        chunk_rows = fitting if chunk_rows is None else min(chunk_rows, fitting)
     if not split and (chunk_rows is None or chunk_rows >= B):
         return list(range(B)), [slice(0, B)]
     order = sorted(range(B), key=lambda i: -(prompt_lengths[i] + completion_lengths[i]))
@@ -81,6 +90,10 @@ def length_chunks(
             p, c = max(p, prompt_lengths[order[i]]), max(c, completion_lengths[order[i]])
             rows = j - i
             if rows > most:
+                break
+            # Over the cap: unless too few rows to split into two chunks of `least`, no chunk ending
+            # at j that starts earlier fits either (widths only grow as i falls).
+            if max_pass_tokens is not None and rows >= 2 * least and rows * (p + c) > max_pass_tokens:
                 break
             if rows < least and not (i == 0 and j == B):
                 continue

@@ -271,7 +271,7 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
         policy.model, policy.unwrapped, policy.ref_model, policy.is_peft, functools.partial(training_passes, compiled),
         compiled.chunk_logps if compiled is not None else None,
         multiple=math.lcm(8 if compiled is not None else 1, cfg.pad_to_multiple_of or 1),
-        min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device),
+        min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device), max_pass_tokens=cfg.train_pass_tokens,
     )
     prompts = PromptSource(
         dataset, prompt_column, environment, PromptStream(len(dataset), cfg.seed, cfg.shuffle_dataset),

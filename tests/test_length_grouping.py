@@ -81,6 +81,38 @@ def test_host_bound_tokens_follow_the_model_size_on_cuda_only(tiny_model: dict) 
     assert tiny == int(layers * 0.01 * 4e14 / (6 * params)) and tiny > 10**6
 
 
+def test_train_pass_tokens_caps_every_pass_and_lets_short_rows_share_one() -> None:
+    completions = _median_300_of_1024(64)
+    prompts = [60] * 64
+    cap = 4 * (60 + 1024)  # four rows of the longest length
+    order, chunks = length_chunks(prompts, completions, None, split=True, max_pass_tokens=cap)
+    assert sorted(order) == list(range(64))
+    assert chunks[0].start == 0 and chunks[-1].stop == 64
+    assert [c.start for c in chunks][1:] == [c.stop for c in chunks][:-1]
+    widths = [max(prompts[i] + completions[i] for i in order[c]) for c in chunks]
+    for c, width in zip(chunks, widths):
+        rows = c.stop - c.start
+        assert rows * width <= cap or rows <= 3
+    assert max(c.stop - c.start for c in chunks) > 4  # short rows: more of them in one pass
+    # No cap, a cap above the whole micro-batch: the same plan.
+    free = length_chunks(prompts, completions, None, split=True)
+    assert length_chunks(prompts, completions, None, split=True, max_pass_tokens=64 * 1084) == free
+    # Without splitting by length: as many rows a pass as the longest rows fit, at least one.
+    assert length_chunks(prompts, completions, None, split=False, max_pass_tokens=cap)[1] == [
+        slice(i, min(i + 4, 64)) for i in range(0, 64, 4)
+    ]
+    assert length_chunks(prompts, completions, 2, split=False, max_pass_tokens=cap)[1][0] == slice(0, 2)
+    assert length_chunks(prompts, completions, None, split=False, max_pass_tokens=10)[1][:2] == [slice(0, 1), slice(1, 2)]
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 7])
+def test_a_cap_below_two_rows_still_covers_every_row(rows: int) -> None:
+    order, chunks = length_chunks([4] * rows, [96] * rows, None, split=True, max_pass_tokens=150)
+    assert chunks[0].start == 0 and chunks[-1].stop == rows
+    assert [c.start for c in chunks][1:] == [c.stop for c in chunks][:-1]
+    assert all(2 <= c.stop - c.start <= 3 for c in chunks)
+
+
 def test_train_chunk_rows_caps_every_pass() -> None:
     completions = _median_300_of_1024(32, seed=1)
     order, chunks = length_chunks([10] * 32, completions, 5, split=True)
@@ -154,7 +186,7 @@ class _GradEngine(Engine):
         return super()._optimizer_step(*args, **kwargs)
 
 
-def _train(tiny_model: dict, tmp_path: Path, grouped: bool) -> tuple[list, list[tuple[int, int]]]:
+def _train(tiny_model: dict, tmp_path: Path, grouped: bool, **extra: Any) -> tuple[list, list[tuple[int, int]]]:
     _reply.count = 0  # type: ignore[attr-defined]
     model, tok = load_model(tiny_model, dtype="float32", seed=0)
     shapes: list[tuple[int, int]] = []  # (rows, columns) of every forward that builds a graph
@@ -170,10 +202,10 @@ def _train(tiny_model: dict, tmp_path: Path, grouped: bool) -> tuple[list, list[
             super().__init__(_reply)
 
     config = {
-        "model": tiny_model, "task": None, "output_dir": str(tmp_path / f"out-{grouped}"),
+        "model": tiny_model, "task": None, "output_dir": str(tmp_path / f"out-{grouped}-{len(extra)}"),
         "max_steps": 2, "per_device_train_batch_size": 16, "num_generations": 4,
         "max_completion_length": 40, "learning_rate": 1e-3, "report_to": [], "seed": 0,
-        "generator": "lengths", "group_by_length": grouped,
+        "generator": "lengths", "group_by_length": grouped, **extra,
     }
     with registered_component("generator", Scripted, "lengths"):
         engine = _GradEngine(config, model=model, tokenizer=tok, rewards=[_score], dataset=PROMPTS)
@@ -194,6 +226,21 @@ def test_grouped_passes_are_narrower_and_give_the_same_gradient(tiny_model: dict
         scale = max(g.abs().max().item() for g in step_whole)
         assert scale > 0
         for a, b in zip(step_whole, step_grouped, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale)
+
+
+def test_train_pass_tokens_bounds_the_passes_and_keeps_the_gradient(tiny_model: dict, tmp_path: Path) -> None:
+    """Without grouping (which on a CPU already makes passes of 2-3 rows here) the cap alone
+    splits each 16-row micro-step; the unit tests above show it bounding grouped passes."""
+    whole_grads, whole_shapes = _train(tiny_model, tmp_path, grouped=False)
+    capped_grads, capped_shapes = _train(tiny_model, tmp_path, grouped=False, train_pass_tokens=160)
+    assert [rows for rows, _ in whole_shapes] == [16, 16] and whole_shapes[0][1] * 16 > 160
+    assert len(capped_shapes) > 2 * 2  # several passes per step ...
+    assert all(rows * columns <= 160 for rows, columns in capped_shapes), capped_shapes  # ... each within the cap
+    for step_whole, step_capped in zip(whole_grads, capped_grads, strict=True):
+        scale = max(g.abs().max().item() for g in step_whole)
+        assert scale > 0
+        for a, b in zip(step_whole, step_capped, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale)
 
 

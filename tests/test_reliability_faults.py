@@ -387,7 +387,7 @@ def test_oom_advice_adds_offload_qlora_and_the_generators_settings(tiny_model: d
 
     lora = GRPOConfig(**_config(tiny_model, tmp_path, gradient_checkpointing=True, lora={"r": 4}))
     keys = [a.split(" ")[0] for a in out_of_memory_advice(lora, "training", ["generator.params.x (1)"])]
-    assert keys[:2] == ["train_chunk_rows", "activation_offload"]
+    assert keys[:3] == ["train_chunk_rows", "train_pass_tokens", "activation_offload"]
     assert keys[-2:] == ["generator.params.x", "load_in_4bit"]
     offloaded = GRPOConfig(**_config(tiny_model, tmp_path, gradient_checkpointing=True, activation_offload=True))
     keys = [a.split(" ")[0] for a in out_of_memory_advice(offloaded, "training")]

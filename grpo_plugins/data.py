@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from grpo_plugins.registry import Registry
 
 #: File extensions read with the builder of the same name (``path: train.jsonl`` works too).
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -73,12 +73,12 @@ def load_dataset_spec(spec: DatasetSpec) -> datasets.Dataset:
     if data_files is not None:
         _check_data_files(data_files)
     elif path.is_file():
-        if path.suffix.lower() not in _BUILDERS:
+        if path.suffix.lower() not in FILE_BUILDERS:
             raise DataError(
                 f"dataset.path '{spec.path}': unknown file type '{path.suffix}' "
-                f"(use one of {', '.join(sorted(_BUILDERS))}, or path: json/csv/parquet with data_files)"
+                f"(use one of {', '.join(sorted(FILE_BUILDERS))}, or path: json/csv/parquet with data_files)"
             )
-        builder, data_files = _BUILDERS[path.suffix.lower()], str(path)
+        builder, data_files = FILE_BUILDERS[path.suffix.lower()], str(path)
     elif path.is_dir() and (
         (path / "dataset_info.json").is_file()
         or (path / "state.json").is_file()
@@ -90,7 +90,7 @@ def load_dataset_spec(spec: DatasetSpec) -> datasets.Dataset:
             raise DataError(
                 f"dataset.path '{spec.path}': cannot read the saved dataset ({type(exc).__name__}: {exc})"
             ) from exc
-    elif builder in set(_BUILDERS.values()):
+    elif builder in set(FILE_BUILDERS.values()):
         raise DataError(f"dataset.path '{builder}' needs dataset.data_files (the file(s) to read)")
     elif not path.exists() and (spec.path.startswith((".", "/", "~")) or spec.path.count("/") > 1):
         raise DataError(f"dataset.path '{spec.path}' does not exist")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_plugins.config import DatasetSpec, GRPOConfig, component_ref
+from grpo_plugins.data import FILE_BUILDERS
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.registry import Registry, registry_for
 
@@ -75,18 +76,23 @@ def dataset_columns(spec: DatasetSpec) -> list[str] | None:
     if isinstance(files, dict):
         files = files.get(spec.split)
     first = files if isinstance(files, str) else files[0] if isinstance(files, list) and files else None
+    builder = spec.path
     try:
         if first is None:
-            return _saved_dataset_columns(Path(spec.path).expanduser(), spec.split)
+            path = Path(spec.path).expanduser()
+            if not path.is_file():
+                return _saved_dataset_columns(path, spec.split)
+            # dataset.path names the file itself (train.jsonl): read as its suffix says.
+            first, builder = str(path), FILE_BUILDERS.get(path.suffix.lower(), "")
         path = Path(first).expanduser()
         if any(c in first for c in "*?[") or not path.is_file():
             return None
-        if spec.path == "json":
+        if builder == "json":
             return _json_columns(path)
-        if spec.path == "csv":
+        if builder == "csv":
             with path.open(newline="", encoding="utf-8") as fh:
                 return next(csv.reader(fh), None)
-        if spec.path == "parquet":
+        if builder == "parquet":
             import pyarrow.parquet
 
             return list(pyarrow.parquet.read_schema(path).names)

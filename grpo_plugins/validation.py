@@ -364,10 +364,6 @@ def _check_vision(check: ConfigCheck) -> None:
 
     dataset = check.config.dataset
     columns = dataset_columns(dataset) if dataset is not None else None
-    builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if dataset is not None and columns is None and os.path.splitext(dataset.path)[1].lower() in builder:
-        as_file = {"path": builder[os.path.splitext(dataset.path)[1].lower()], "data_files": dataset.path}
-        columns = dataset_columns(dataset.model_copy(update=as_file))
     check.problems.extend(vision_problems(check.config, columns, check.components))
 
 

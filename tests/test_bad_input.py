@@ -197,13 +197,18 @@ def test_prompts_longer_than_the_limit(tmp_path: Path, capsys: pytest.CaptureFix
 # -- a reward's dataset columns ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "saved"])
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "saved", "jsonl-as-path", "csv-as-path"])
 def test_reward_argument_missing_from_the_dataset_is_found_by_validate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_model: dict, fmt: str
 ) -> None:
     rows = [{"prompt": "ab", "solution": "x"}, {"prompt": "cd", "solution": "y"}]
     if fmt == "jsonl":
         dataset = {"path": "json", "data_files": str(_write_jsonl(tmp_path / "d.jsonl", rows))}
+    elif fmt == "jsonl-as-path":  # dataset.path naming the file itself
+        dataset = {"path": str(_write_jsonl(tmp_path / "d.jsonl", rows))}
+    elif fmt == "csv-as-path":
+        (tmp_path / "d.csv").write_text("prompt,solution\nab,x\ncd,y\n")
+        dataset = {"path": str(tmp_path / "d.csv")}
     elif fmt == "json":
         (tmp_path / "d.json").write_text(json.dumps(rows))
         dataset = {"path": "json", "data_files": str(tmp_path / "d.json")}

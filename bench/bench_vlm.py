@@ -206,13 +206,13 @@ def ours_config(T: int, steps: int, warmup: int, generator: dict[str, Any], outp
     }
 
 
-def run_ours(args: argparse.Namespace, T: int) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, T: int, generator_name: str) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
     processor = build_processor(args.tiny, args.image_size)
     model = build_model(model_config(args.tiny, processor))
     output_dir = tempfile.mkdtemp(prefix="bench_vlm_ours_")
-    generator = {"name": args.generator, "params": {}}
+    generator = {"name": generator_name, "params": {}}
     config = ours_config(T, args.steps, args.warmup, generator, output_dir)
     # The processor goes where a text model's tokenizer goes.
     engine = Engine(config, model=model, tokenizer=processor, rewards=[length_reward], dataset=dataset(args.image_size))
@@ -359,11 +359,14 @@ def table(tokens: list[int]) -> str:
                 f"{T:>5} {name:<12} {r['step_s']:>7.2f} {r['generate_s']:>9.2f} {r['score_s']:>7.3f} {r['train_s']:>7.2f} "
                 f"{64 / r['step_s'] * r['mean_length']:>8.0f} {r['peak_gib']:>9.2f} {r['mean_length']:>6.0f}"
             )
-        o, t = runs.get("ours", {}), runs.get("trl", {})
-        if o and t and "error" not in o and "error" not in t:
+        t = runs.get("trl", {})
+        for name, o in runs.items():
+            if not name.startswith("ours") or not t or "error" in o or "error" in t:
+                continue
             ratio = o["peak_gib"] / t["peak_gib"] if t["peak_gib"] else float("nan")
+            label = "trl / " + name
             lines.append(
-                f"{T:>5} {'trl / ours':<12} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
+                f"{T:>5} {label:<12} {t['step_s'] / o['step_s']:>6.1f}x {t['generate_s'] / o['generate_s']:>8.1f}x "
                 f"{'':>7} {t['train_s'] / o['train_s']:>6.1f}x {'':>8} {ratio:>8.2f}*"
             )
     lines.append("\n* peak memory ratio is ours / TRL (lower is better); time ratios are TRL / ours.")
@@ -380,7 +383,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-steps", type=int, default=None, help="measured TRL steps (default --steps)")
     parser.add_argument("--trl-warmup", type=int, default=1)
     parser.add_argument("--frameworks", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
-    parser.add_argument("--generator", default="transformers", help="the Engine's generator")
+    parser.add_argument(
+        "--generator", nargs="+", default=["transformers"],
+        help="the Engine's generator(s): one ours run each (named 'ours <generator>' when several)",
+    )
     parser.add_argument("--image-size", type=int, default=448, help="picture side in pixels (rounded to 28)")
     parser.add_argument(
         "--tiny", action="store_true", default=TINY, help="a tiny model and character tokenizer (CPU wiring check; also BENCH_TINY=1)"
@@ -395,12 +401,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         image_size=args.image_size, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__, args=vars(args),
     )
+    runs: list[tuple[str, str | None]] = []
+    for name in args.frameworks:
+        if name == "ours":
+            several = len(args.generator) > 1
+            runs += [(f"ours {g}" if several else "ours", g) for g in args.generator]
+        else:
+            runs.append((name, None))
     for T in args.tokens:
-        for name in args.frameworks:
+        for name, generator in runs:
             log(f"== {name} T={T}")
             try:
                 _reset_accelerate()
-                r = run_ours(args, T) if name == "ours" else run_trl(args, T)
+                r = run_ours(args, T, generator) if generator is not None else run_trl(args, T)
             except Exception as exc:
                 r = {"error": repr(exc)}
                 RESULTS["errors"].append({"run": f"{name} {T}", "error": repr(exc), "trace": traceback.format_exc()})

@@ -234,7 +234,8 @@ phase_lengths() {
 
 phase_vlm() {
   need_tokenizer
-  run vlm/256 "$PY" bench/bench_vlm.py --tokens 256 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1
+  run vlm/256 "$PY" bench/bench_vlm.py --tokens 256 --steps 3 --warmup 2 --trl-steps 2 --trl-warmup 1 \
+    --generator transformers static
 }
 
 phase_release() {

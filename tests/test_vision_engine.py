@@ -20,6 +20,7 @@ from grpo_plugins.engine import Engine
 from grpo_plugins.errors import GRPOPluginsError, TrainingError
 from grpo_plugins.image_prompts import load_image
 from grpo_plugins.metrics import read_metrics
+from grpo_plugins.testing import ScriptedGenerator, registered_component
 from grpo_plugins.testing.tiny_vision import VISION_ARCHS, build_tiny_vlm, save_tiny_vlm, tiny_image
 from grpo_plugins.validation import validate_config
 
@@ -153,20 +154,42 @@ def test_a_text_model_given_images_fails_validate_and_train_with_one_message(tin
         Engine(config, rewards=[image_reward]).train()
 
 
-def test_a_vision_model_refuses_the_static_generator_and_a_folder_without_its_processor(tmp_path: Path) -> None:
+class _TextOnlyGenerator(ScriptedGenerator):
+    """A generator that does not declare ``accepts_images``."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda prompt: "ab")
+
+
+def test_a_vision_model_refuses_a_text_only_generator_and_a_folder_without_its_processor(tmp_path: Path) -> None:
     folder = save_tiny_vlm(tmp_path / "vlm", "idefics3")
     data = {"path": str(_image_jsonl(tmp_path))}
-    with pytest.raises(ConfigError, match=r"generator: generator 'static' does not support prompts with images"):
-        validate_config({**_config(tmp_path / "out"), "model": str(folder), "dataset": data, "generator": "static",
-                         "rewards": ["length"]})
+    with registered_component("generator", _TextOnlyGenerator, "text_only"):
+        with pytest.raises(ConfigError, match=r"generator: generator 'text_only' does not support prompts with images"):
+            validate_config({**_config(tmp_path / "out"), "model": str(folder), "dataset": data, "generator": "text_only",
+                             "rewards": ["length"]})
     (folder / "preprocessor_config.json").unlink(missing_ok=True)
     (folder / "processor_config.json").unlink()
     with pytest.raises(ConfigError, match=r"model: '.*vlm' is for a vision-language model but has no processor settings"):
         validate_config({**_config(tmp_path / "out"), "model": str(folder), "dataset": data, "rewards": ["length"]})
     model, processor = build_tiny_vlm("idefics3")
-    with pytest.raises(GRPOPluginsError, match=r"generator 'static' does not support prompts with images"):
-        Engine({**_config(tmp_path / "out"), "generator": "static"}, model=model, tokenizer=processor,
-               rewards=[image_reward], dataset=_data()).train()
+    with registered_component("generator", _TextOnlyGenerator, "text_only"):
+        with pytest.raises(GRPOPluginsError, match=r"generator 'text_only' does not support prompts with images"):
+            Engine({**_config(tmp_path / "out"), "generator": "text_only"}, model=model, tokenizer=processor,
+                   rewards=[image_reward], dataset=_data()).train()
+
+
+@pytest.mark.parametrize("arch", VISION_ARCHS)
+def test_the_static_generator_trains_a_vision_model_with_the_policys_log_probs(arch: str, tmp_path: Path) -> None:
+    """The static generator's sampled log-probs are the policy's: with the sampler/trainer
+    correction forced on, every importance ratio it logs is 1 up to float32 rounding."""
+    model, processor = build_tiny_vlm(arch)
+    config = _config(tmp_path / "out", generator={"name": "static", "params": {"compile": False}},
+                     lora={"r": 4, "lora_alpha": 8}, vllm_importance_sampling_correction=True)
+    history = Engine(config, model=model, tokenizer=processor, rewards=[image_reward], dataset=_data()).train().history
+    assert len(history) == 2 and all(math.isfinite(r["loss"]) for r in history)
+    gaps = [r[k] for r in history for k in r if k.startswith("sampling/sampling_logp_difference")]
+    assert gaps and max(gaps) < 1e-4, gaps
 
 
 @pytest.mark.parametrize("train_vision_tower", [False, True])

@@ -61,3 +61,16 @@ def test_tiny_runs_of_both_frameworks_make_the_table(bench_vlm, tmp_path: Path, 
     assert "GRPOTrainer.transformers.generate" in trl["profiling_names"] and 1 <= trl["mean_length"] <= 4
     saved = json.loads((tmp_path / "vlm_bench.json").read_text())["runs"]["4"]
     assert saved["ours"]["step_s"] == ours["step_s"] and saved["trl"]["step_s"] == trl["step_s"]
+
+
+def test_several_generators_give_one_ours_run_each(bench_vlm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    results = bench_vlm.main([
+        "--tiny", "--tokens", "4", "--steps", "1", "--warmup", "1", "--image-size", "56",
+        "--frameworks", "ours", "--generator", "transformers", "static",
+    ])
+    runs = results["runs"]["4"]
+    assert set(runs) == {"ours transformers", "ours static"}
+    for run in runs.values():
+        assert "error" not in run, run
+        assert len(run["losses"]) == 2 and 1 <= run["mean_length"] <= 4

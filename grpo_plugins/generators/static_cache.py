@@ -82,6 +82,9 @@ class StaticCacheGenerator(Generator):
         )
 
     samples_from_policy = True
+    # Prompts with images: the vision-language model's own forward fills the cache, then the
+    # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
+    accepts_images = True
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()

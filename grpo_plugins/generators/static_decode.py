@@ -49,10 +49,12 @@ from grpo_plugins.generators.static_steps import (
     decode_layer,
     decode_step,
     prefill,
+    prefill_with_images,
     process_logits,
     sample_tokens,
 )
 from grpo_plugins.kinds import SamplingSettings
+from grpo_plugins.multimodal import collate, multimodal_of
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -389,10 +391,15 @@ class StaticDecoder:
         ids, valid = ids.to(device), valid.to(device)
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, P), as generate() does
 
+        images = collate([multimodal_of(p) for p in prompt_ids], ids, P, dtype)  # {} for text prompts
         was_training = self.model.training
         self.model.eval()  # no dropout (LoRA) while sampling
         try:
-            logits = prefill(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
+            if images:
+                logits, start = prefill_with_images(self.model, parts, ids, valid, positions, images, st.k_cache, st.v_cache)
+            else:
+                logits = prefill(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
+                start = valid.long().sum(-1)
             st.key_valid[:, :P] = valid
             st.key_valid[:, P:] = True
             st.done.zero_()
@@ -411,7 +418,7 @@ class StaticDecoder:
             if st.seen is not None:
                 st.seen.scatter_(1, token[:, None], True)
             st.token.copy_(token)
-            st.position.copy_(valid.long().sum(-1))
+            st.position.copy_(start)
             st.cur.fill_(P)
             st.step.fill_(1)
             steps = 1

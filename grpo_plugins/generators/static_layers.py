@@ -12,9 +12,12 @@ import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import base_model
+from grpo_plugins.multimodal import placeholder_token_ids
 
 #: model_type values whose decoder layers this loop reproduces exactly.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen2_vl_text", "qwen2_5_vl_text"})
+"""The decoder types the static loop runs: text models, and the language models of
+vision-language models (Qwen2-VL / Qwen2.5-VL; Idefics3 / SmolVLM decode with Llama)."""
 
 
 class UnsupportedModelError(GRPOPluginsError):
@@ -36,12 +39,48 @@ class DecoderParts:
     scaling: float
     vocab_size: int
     sliding_window: int | None
+    sectioned_rope: bool = False
+
+
+class SectionedRotary(torch.nn.Module):
+    """A multimodal (sectioned, M-RoPE) rotary embedding given one position per token: every
+    section at that position, which is what a text token's rotation is in Qwen2-VL. ``forward``
+    takes (B, L) positions like a text model's rotary embedding and returns (B, L, D) cos/sin."""
+
+    def __init__(self, rotary: Any) -> None:
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(x, position_ids[None].expand(3, -1, -1))
+        if cos.dim() == 4:  # (3, B, L, D) in versions that leave the sections to the attention
+            cos, sin = cos[0], sin[0]
+        return cos, sin
+
+
+class SuppressedHead(torch.nn.Module):
+    """An LM head whose logits for ``token_ids`` are -inf: a vision-language model's image
+    placeholders, which a completion never holds (the training pass leaves them out too)."""
+
+    def __init__(self, head: Any, token_ids: list[int]) -> None:
+        super().__init__()
+        self.head = head
+        self.register_buffer("token_ids", torch.tensor(token_ids, dtype=torch.long, device=head.weight.device), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x).index_fill(-1, self.token_ids, float("-inf"))
 
 
 def check_supported(model: Any) -> DecoderParts:
     """The decoder parts of ``model``; raises :class:`UnsupportedModelError` saying why not."""
     base = base_model(model)
     config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a vision-language model's language model
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -50,12 +89,17 @@ def check_supported(model: Any) -> DecoderParts:
         )
     inner = getattr(base, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if (inner is None or not all(hasattr(inner, n) for n in needed)) and hasattr(base, "get_decoder"):
+        inner = base.get_decoder()  # a vision-language model: its language model
     if inner is None or not all(hasattr(inner, n) for n in needed):
         raise UnsupportedModelError(
             f"generator 'static': the {model_type} model lacks model.{{{', '.join(needed)}}}; "
             "use generator: transformers"
         )
     lm_head = base.get_output_embeddings()
+    suppressed = placeholder_token_ids(base.config)
+    if suppressed:
+        lm_head = SuppressedHead(lm_head, suppressed)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModelError(
             "generator 'static' does not support logit soft-capping; use generator: transformers"
@@ -68,11 +112,12 @@ def check_supported(model: Any) -> DecoderParts:
         if model_type == "mistral" or (layer_types and "sliding_attention" in layer_types):
             window = int(config.sliding_window)
     first_attn = inner.layers[0].self_attn
+    sectioned = hasattr(inner.rotary_emb, "mrope_section")
     return DecoderParts(
         embed=inner.embed_tokens,
         layers=list(inner.layers),
         norm=inner.norm,
-        rotary=inner.rotary_emb,
+        rotary=SectionedRotary(inner.rotary_emb) if sectioned else inner.rotary_emb,
         lm_head=lm_head,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
@@ -80,6 +125,7 @@ def check_supported(model: Any) -> DecoderParts:
         scaling=float(getattr(first_attn, "scaling", head_dim**-0.5)),
         vocab_size=lm_head.weight.shape[0] if hasattr(lm_head, "weight") else config.vocab_size,
         sliding_window=window,
+        sectioned_rope=sectioned,
     )
 
 

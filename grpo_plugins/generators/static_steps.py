@@ -123,6 +123,58 @@ def prefill(
     return parts.lm_head(last)[:, 0].float()
 
 
+def prefill_with_images(
+    model: Any,
+    parts: DecoderParts,
+    input_ids: torch.Tensor,
+    key_valid: torch.Tensor,
+    positions: torch.Tensor,
+    images: dict[str, torch.Tensor],
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefill` for prompts with images: the vision-language ``model``'s own forward
+    (its vision encoder, the image features in place of the placeholder tokens, its own
+    positions) over the left-padded prompts, its keys and values copied into the static caches.
+    Returns the float32 logits of the last position (B, V) and the position of the first
+    completion token of each row (B,): after the prompt's text positions, or with sectioned
+    (M-RoPE) positions after the largest position the prompt used."""
+    import inspect
+
+    from grpo_plugins.generators.common import base_model
+
+    P = input_ids.shape[1]
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": key_valid.long(), "use_cache": True, **images}
+    if not parts.sectioned_rope:  # the model would count positions from the padding otherwise
+        kwargs["position_ids"] = positions
+    base = base_model(model)
+    if "logits_to_keep" in inspect.signature(base.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    owner = getattr(base, "model", None)
+    if owner is not None and hasattr(owner, "rope_deltas"):
+        owner.rope_deltas = None  # recomputed from these prompts
+    out = model(**kwargs)
+    cache = out.past_key_values
+    for i in range(len(k_cache)):
+        if hasattr(cache, "layers"):
+            k, v = cache.layers[i].keys, cache.layers[i].values
+        else:  # older transformers: parallel lists
+            k, v = cache.key_cache[i], cache.value_cache[i]
+        k_cache[i][:, :, :P] = k
+        v_cache[i][:, :, :P] = v
+    start = key_valid.long().sum(-1)  # (B,)
+    if parts.sectioned_rope:
+        deltas = getattr(out, "rope_deltas", None)
+        if deltas is None and owner is not None:
+            deltas = getattr(owner, "rope_deltas", None)
+        if deltas is not None:
+            start = start + deltas.reshape(-1).to(start.device)
+    logits = out.logits[:, -1].float()
+    if hasattr(parts.lm_head, "token_ids"):  # SuppressedHead: the placeholders are never sampled
+        logits = logits.index_fill(-1, parts.lm_head.token_ids, float("-inf"))
+    return logits, start
+
+
 @dataclass
 class DecodeState:
     """The fixed-address buffers one decode graph reads and writes (B rows, S cache positions,

@@ -154,7 +154,9 @@ def prefill_with_images(
     if owner is not None and hasattr(owner, "rope_deltas"):
         owner.rope_deltas = None  # recomputed from these prompts
     out = model(**kwargs)
-    cache = out.past_key_values
+    cache = getattr(out, "cache", None)  # newer transformers' name
+    if cache is None:
+        cache = out.past_key_values
     for i in range(len(k_cache)):
         if hasattr(cache, "layers"):
             k, v = cache.layers[i].keys, cache.layers[i].values

@@ -1,0 +1,40 @@
+"""bench/profile_decode.py's candidate decode attentions compute what the shipped decode layer
+computes (tiny random Llama and Qwen2 layers, float32, eager on a CPU), so a timing of them on a
+GPU compares like with like."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_plugins.generators.static_layers import check_supported
+from grpo_plugins.generators.static_steps import decode_layer
+from grpo_plugins.models import load_model
+from grpo_plugins.testing.tiny import tiny_model_spec
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_candidate_layers_equal_the_shipped_decode_layer(name: str, arch: str, tmp_path: Path) -> None:
+    import bench.profile_decode as profile
+
+    model, _ = load_model(tiny_model_spec(tmp_path / arch, arch), dtype="float32", seed=0)
+    parts = check_supported(model)
+    layer = parts.layers[0]
+    B, S, W, cur = 3, 24, 16, 11
+    torch.manual_seed(0)
+    h = torch.randn(B, 1, model.config.hidden_size)
+    cos, sin = parts.rotary(h, torch.tensor([[cur], [cur - 2], [cur - 5]]))
+    k_cache = torch.randn(B, parts.num_kv_heads, S, parts.head_dim)
+    v_cache = torch.randn(B, parts.num_kv_heads, S, parts.head_dim)
+    valid = (torch.arange(W) <= cur) & (torch.arange(W)[None] >= torch.tensor([[0], [2], [5]]))  # (B, W) left padding
+    bias = torch.zeros(B, W).masked_fill(~valid, float("-inf"))[:, None, None, :]
+    index = torch.tensor([cur])
+    with torch.no_grad():
+        expected = decode_layer(parts, layer, h, cos, sin, k_cache.clone(), v_cache.clone(), bias, index)
+        k2, v2 = k_cache.clone(), v_cache.clone()
+        got = profile.LAYERS[name](parts, layer, h, cos, sin, k2, v2, bias, index)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(k2[:, :, cur], k_cache[:, :, cur])  # the new key was written

@@ -12,7 +12,8 @@ Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), 
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
 ``merge_weights`` forced on / off (by default on for LoRA models only); ``fp8``: ``dynamic``
-decoding from float8 weight copies; ``onewindow``: ``dynamic`` with one attention window over
+decoding from float8 weight copies (``fp8wf``: with the weight as the product's first operand);
+``onewindow``: ``dynamic`` with one attention window over
 the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
 ``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
 ``flex_attention`` call instead of two batched products and a softmax (candidates, defined here).
@@ -46,6 +47,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
     "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
+    "fp8wf": {"compile": True, "dynamic": True, "mode": None, "fp8": True, "weight_first": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     # Candidate decode attentions (this file only until one is measured to win): one fused kernel
     # reading the window's keys and values once, instead of two batched products and a softmax.
@@ -100,7 +102,10 @@ LAYERS = {"matmul": None, "sdpa": decode_layer_sdpa, "flex": decode_layer_flex}
 
 def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
     from grpo_plugins.generators.static_decode import StaticDecoder, decode_head, decode_layer, decode_step
+    from grpo_plugins.generators.static_layers import FusedLinear
     from grpo_plugins.kinds import SamplingSettings
+
+    FusedLinear.weight_first = bool(variant.get("weight_first", False))  # read when the step compiles
 
     sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
     dec = StaticDecoder(

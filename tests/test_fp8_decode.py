@@ -50,6 +50,19 @@ def test_fused_float8_linear_matches_the_16_bit_product_within_float8_error() ->
     torch.testing.assert_close(fp8(x), 2 * got, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_weight_first_float8_product_gives_the_same_values(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    fused = FusedLinear([torch.nn.Linear(64, 48, bias=True), torch.nn.Linear(64, 16, bias=False)], fp8=True)
+    x = torch.randn(3, 5, 64)
+    inputs = [x, x[:2]]  # two batch sizes: compiled, one graph with the rows symbolic
+    want = [fused(rows) for rows in inputs]  # the input-first product
+    monkeypatch.setattr(FusedLinear, "weight_first", True)
+    call = torch.compile(fused, backend="inductor", dynamic=True, fullgraph=True) if compiled else fused
+    for rows, expected in zip(inputs, want):
+        torch.testing.assert_close(call(rows), expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def lora_qwen2(tiny_qwen2: dict) -> object:
     model, _ = load_model(tiny_qwen2, dtype="float32", lora={"r": 4, "target_modules": "all-linear"}, seed=0)

@@ -16,6 +16,17 @@ import pytest  # noqa: E402
 from grpo_plugins.testing import tiny_model_spec  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compiler_caches() -> object:
+    """Each test file starts with torch.compile's in-process caches empty: the decode layer is
+    compiled for many tiny models across files, and dynamo's recompile limit (8 per function)
+    would otherwise make a file's outcome depend on which files ran before it."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The ``model:`` mapping for a tiny random Llama with a character-level tokenizer."""

@@ -53,6 +53,12 @@ def test_greedy_tokens_equal_transformers_generate_with_the_images(arch: str) ->
     text_only = [list(p) for p in prompt_ids]
     blind = _generate(StaticCacheGenerator(StaticCacheGenerator.Params(compile=False)), model, processor, text_only, greedy)
     assert not torch.equal(blind.completion_ids[:3], static.completion_ids[:3])
+    # A batch of text prompts only takes the static prefill (sectioned positions all equal).
+    encoder = ImagePromptEncoder(processor, max_prompt_length=None)
+    texts = [encoder.encode([{"role": "user", "content": t}], []) for t in ("No image here.", "Hi", "Count to three, please.")]
+    static_text = _generate(StaticCacheGenerator(StaticCacheGenerator.Params(compile=False)), model, processor, texts, greedy)
+    reference_text = _generate(TransformersGenerator(), model, processor, texts, greedy)
+    assert torch.equal(static_text.completion_ids, reference_text.completion_ids)
 
 
 @pytest.mark.parametrize("arch", VISION_ARCHS)

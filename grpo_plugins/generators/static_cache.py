@@ -50,7 +50,11 @@ def decode_flags(params: StaticCacheGenerator.Params, on_cuda: bool, quantized: 
 
 
 class StaticCacheGenerator(Generator):
-    """Static-KV-cache generation with a compiled, CUDA-graph-captured decode step."""
+    """Static-KV-cache generation with a compiled, CUDA-graph-captured decode step.
+
+    Llama, Qwen2/Qwen3 and Mistral models, and prompts with images for Qwen2-VL / Qwen2.5-VL and
+    Idefics3 / SmolVLM (the model's own forward reads the prompt and its images into the cache).
+    """
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import bench._common as common  # noqa: E402
+import bench.bench_grpo as bench_grpo  # noqa: E402
 from bench._common import DEVICE, build_model, gib, length_reward, load_tokenizer, median, out_dir, reset_peak, sync, write_json  # noqa: E402
 from bench.bench_grpo import _reset_accelerate, dataset, ours_config  # noqa: E402
 
@@ -68,11 +70,14 @@ def _instrument(record: list[dict[str, Any]], phase: str, fn: Any, profile_at: i
     return wrapper
 
 
-def run(T: int, steps: int, warmup: int, generator: dict[str, Any], chunk_rows: int | None, profile: bool) -> dict[str, Any]:
+def run(
+    T: int, steps: int, warmup: int, generator: dict[str, Any], chunk_rows: int | None, profile: bool,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
     record: list[dict[str, Any]] = []
-    config = ours_config(T, steps, warmup, generator, chunk_rows)
+    config = {**ours_config(T, steps, warmup, generator, chunk_rows), **(overrides or {})}
     engine = Engine(config, model=build_model(seed=0), tokenizer=load_tokenizer(), rewards=[length_reward], dataset=dataset())
     setup = engine._setup
 
@@ -116,8 +121,13 @@ def main() -> None:
     parser.add_argument("--train-chunk-rows", type=int, nargs="+", default=[0], help="0: no row chunks")
     parser.add_argument("--generator-params", default="{}")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--shape", default="smol-vocab-0.4b", help="model shape: " + ", ".join(common.SHAPES))
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    parser.add_argument("--overrides", default="{}", help='JSON config overrides, e.g. \'{"gradient_checkpointing": false}\'')
     parser.add_argument("--optimizer-impl", choices=["engine", "foreach"], default="engine", help="foreach: force AdamW's multi-tensor path")
     args = parser.parse_args()
+    common.ACTIVE_SHAPE = args.shape
+    bench_grpo.LORA_R = args.lora
     if args.optimizer_impl == "foreach":
         adamw = torch.optim.AdamW
 
@@ -131,7 +141,7 @@ def main() -> None:
         for c in args.train_chunk_rows:
             _reset_accelerate()
             key = f"T{T}_c{c}"
-            out = run(T, args.steps, args.warmup, generator, c or None, args.profile)
+            out = run(T, args.steps, args.warmup, generator, c or None, args.profile, json.loads(args.overrides))
             results[key] = out
             write_json(out_dir() / "profile_step.json", results)
             print(f"== {key}")

@@ -171,21 +171,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
-@torch.library.custom_op("grpo_plugins::scaled_mm_weight_first", mutates_args=())
-def scaled_mm_weight_first(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x8 @ w8.T`` with row-wise scales (``x_scale`` (M, 1), ``w_scale`` (N, 1)), computed as
-    ``(w8 @ x8.T).T``: with M = 64 decode rows as the product's narrow side, cuBLASLt can pick a
-    tile that fits them (as the first operand they fill a quarter of its 128-row tile). An opaque
-    op, so the compiler keeps ``x8.T`` column-major, which ``_scaled_mm`` requires."""
-    y = torch._scaled_mm(w8, x8.contiguous().t(), scale_a=w_scale, scale_b=x_scale.t().contiguous(), out_dtype=out_dtype)
-    return y.t().contiguous()  # (M, N)
-
-
-@scaled_mm_weight_first.register_fake
-def _(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=out_dtype)
-
-
 class FusedLinear(torch.nn.Module):
     """A linear layer over a copy of one or more projections' weights, concatenated along the
     output dimension, with each source's active LoRA delta merged in (``W + scaling * B @ A``,
@@ -195,11 +180,13 @@ class FusedLinear(torch.nn.Module):
     ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
     quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
     the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
-    With ``weight_first`` (a class setting, for benchmarks until measured) the float8 product runs
-    with the weight as the first operand (:func:`scaled_mm_weight_first`); same values.
+    With ``weight_only`` (a class setting, for benchmarks until measured) the input stays in the
+    model's dtype and the float8 weight is widened inside the product (``(x @ W8^T) * scale``):
+    under ``torch.compile`` with max-autotune the widening can fuse into the matrix product's
+    loads, so a step reads one byte per weight without cuBLASLt's float8 tile.
     """
 
-    weight_first = False
+    weight_only = False
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
@@ -211,7 +198,6 @@ class FusedLinear(torch.nn.Module):
         shape = (sum(self.sizes), w0.shape[1])
         self.register_buffer("weight", torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else w0.dtype, device=w0.device))
         self.register_buffer("scale", torch.ones(1, shape[0], dtype=torch.float32, device=w0.device) if fp8 else None)
-        self.register_buffer("scale_column", torch.ones(shape[0], 1, dtype=torch.float32, device=w0.device) if fp8 else None)
         has_bias = any(b.bias is not None for b in bases)
         self.register_buffer("bias", torch.zeros(sum(self.sizes), dtype=w0.dtype, device=w0.device) if has_bias else None)
         self.refresh()
@@ -234,7 +220,6 @@ class FusedLinear(torch.nn.Module):
                 weight8, scale = quantize_rows(merged.to(base.weight.dtype))
                 self.weight[row : row + n].copy_(weight8)
                 self.scale[0, row : row + n].copy_(scale[:, 0])
-                self.scale_column[row : row + n].copy_(scale)
             else:
                 self.weight[row : row + n].copy_(merged)
             if self.bias is not None:
@@ -247,11 +232,11 @@ class FusedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
+        if self.weight_only:
+            y = (F.linear(x, self.weight.to(x.dtype)).float() * self.scale).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        if self.weight_first:
-            y = scaled_mm_weight_first(x8, scale, self.weight, self.scale_column, x.dtype)
-        else:
-            y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
+        y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
         if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

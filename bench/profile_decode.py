@@ -12,9 +12,8 @@ Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), 
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
 ``merge_weights`` forced on / off (by default on for LoRA models only); ``fp8``: ``dynamic``
-decoding from float8 weight copies (``fp8wo``: weight-only, the input kept 16-bit and the weight
-widened inside the product, compiled with max-autotune); ``tuned``: merged weights compiled with
-max-autotune (Triton matrix-product templates compete with cuBLAS);
+decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
+matrix-product templates compete with cuBLAS);
 ``onewindow``: ``dynamic`` with one attention window over
 the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
 ``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
@@ -49,7 +48,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
     "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
-    "fp8wo": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "fp8": True, "weight_only": True},
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     # Candidate decode attentions (this file only until one is measured to win): one fused kernel
@@ -105,10 +103,7 @@ LAYERS = {"matmul": None, "sdpa": decode_layer_sdpa, "flex": decode_layer_flex}
 
 def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
     from grpo_plugins.generators.static_decode import StaticDecoder, decode_head, decode_layer, decode_step
-    from grpo_plugins.generators.static_layers import FusedLinear
     from grpo_plugins.kinds import SamplingSettings
-
-    FusedLinear.weight_only = bool(variant.get("weight_only", False))  # read when the step compiles
 
     sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
     dec = StaticDecoder(

@@ -10,6 +10,7 @@ import torch
 
 from grpo_plugins.generators.static_cache import StaticCacheGenerator
 from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError, process_logits
+from grpo_plugins.generators.static_layers import check_supported
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
 from grpo_plugins.config import GRPOConfig
@@ -507,6 +508,26 @@ def test_merged_weights_are_off_for_dora_and_refused_when_forced(tiny_qwen2: dic
     torch.manual_seed(1)
     direct = StaticDecoder(plain, sampling, [2], 0).generate(PROMPTS)
     assert torch.equal(fused[0], direct[0])
+
+
+def test_full_fine_tuning_decodes_from_fused_copies_when_they_are_small_next_to_the_gpu(
+    tiny_qwen2: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grpo_plugins.generators import static_layers
+
+    plain, _ = load_model(tiny_qwen2, dtype="float32", seed=0)
+    sampling = SamplingSettings(max_completion_length=4)
+    projections = sum(
+        p.numel() * p.element_size()
+        for name, p in plain.named_parameters()
+        if any(f".{n}." in name for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    )
+    assert static_layers.fused_copy_bytes(check_supported(plain)) == projections
+    for memory, expected in ((None, False), (projections * 20, True), (projections * 20 - 1, False)):
+        monkeypatch.setattr(static_layers, "gpu_memory", lambda device, m=memory: m)
+        assert StaticDecoder(plain, sampling, [2], 0).merge_weights is expected, memory
+    # Asked for explicitly, the setting wins over the rule.
+    assert not StaticDecoder(plain, sampling, [2], 0, merge_weights=False).merge_weights
 
 
 def test_greedy_override_of_a_lora_model_shares_the_merged_weights(tiny_qwen2: dict) -> None:

@@ -77,7 +77,7 @@ class StaticCacheGenerator(Generator):
         fallback: bool = Field(True, description="Use the transformers generator for unsupported models.")
         merge_weights: bool | None = Field(
             None,
-            description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases); false reads the model's own modules.",
+            description="Decode from copies of the projection weights with the LoRA deltas merged in and q/k/v and gate/up fused, refreshed before each generation (one extra copy of those weights; much faster LoRA decoding). Default: on for LoRA models whose layers allow it (not for quantised bases), and for full fine-tuning on a GPU when the copy takes at most 5% of its memory (about 10% faster decoding at 0.5B-1.5B); false reads the model's own modules.",
         )
 
         fp8: bool = Field(
@@ -215,9 +215,9 @@ class StaticCacheGenerator(Generator):
         advice = []
         if self._decoder.merge_weights:
             advice.append(
-                "generator.params.merge_weights (on: LoRA decoding keeps a merged copy of the projection "
-                "weights; false drops it, decoding about 2x slower: generator: {name: static, params: "
-                "{merge_weights: false}})"
+                "generator.params.merge_weights (on: decoding keeps a merged, fused copy of the projection "
+                "weights; false drops it, decoding slower (about 2x for LoRA, 10% for full fine-tuning): "
+                "generator: {name: static, params: {merge_weights: false}})"
             )
         if phase == "generation" and self.params.max_batch_rows is None:
             advice.append(

@@ -179,14 +179,7 @@ class FusedLinear(torch.nn.Module):
 
     ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
     quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
-    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
-    With ``weight_only`` (a class setting, for benchmarks until measured) the input stays in the
-    model's dtype and the float8 weight is widened inside the product (``(x @ W8^T) * scale``):
-    under ``torch.compile`` with max-autotune the widening can fuse into the matrix product's
-    loads, so a step reads one byte per weight without cuBLASLt's float8 tile.
-    """
-
-    weight_only = False
+    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).    """
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
@@ -232,9 +225,6 @@ class FusedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
-        if self.weight_only:
-            y = (F.linear(x, self.weight.to(x.dtype)).float() * self.scale).to(x.dtype)
-            return y if self.bias is None else y + self.bias
         x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
         if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales
@@ -297,6 +287,39 @@ def merged_layers_supported(parts: "DecoderParts") -> str | None:
         if not hasattr(layer.mlp, "act_fn"):
             return "the MLP has no act_fn"
     return None
+
+
+#: Full fine-tuning decodes from fused copies by default when they take at most this share of the
+#: GPU's memory (a LoRA model always does: its unmerged adapter products dominate a decode step).
+FUSED_COPY_SHARE = 0.05
+
+
+def fused_copy_bytes(parts: "DecoderParts") -> int:
+    """Bytes of the 16-bit fused copies of every decoder layer's projections (weights and biases)."""
+    total = 0
+    for layer in parts.layers:
+        for owner_name, names in _PROJECTIONS:
+            for name in names:
+                module = getattr(getattr(layer, owner_name), name)
+                base = module.get_base_layer() if _is_lora(module) else module
+                for tensor in (base.weight, base.bias):
+                    if tensor is not None:
+                        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def gpu_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes if it is a CUDA device, else None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fused_copy_is_small(parts: "DecoderParts") -> bool:
+    """Whether the fused copies fit in :data:`FUSED_COPY_SHARE` of the memory of the GPU holding
+    the model (False off a GPU: the copies pay where the decode step is compiled)."""
+    memory = gpu_memory(parts.embed.weight.device)
+    return memory is not None and fused_copy_bytes(parts) <= FUSED_COPY_SHARE * memory
 
 
 def has_lora(parts: "DecoderParts") -> bool:

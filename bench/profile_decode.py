@@ -4,6 +4,8 @@ bottleneck; ~2 ms per token at 0.5B × 64 rows against a ~0.4 ms bandwidth floor
 For each variant it builds the model, generates once (compiles, captures the graph), then:
 
 * times ``generate`` of ``--rows`` × ``--tokens`` (full length, EOS ignored): ms per token;
+* times one more ``generate`` with its parts outside the decode steps timed: refreshing the
+  merged weight copies and the prefill (``outside_decode_s``);
 * times bare graph replays (one decode step each) with CUDA events;
 * profiles ``--profile-steps`` replays with ``torch.profiler`` and reports the kernels per step,
   their total device time per step and the top kernels.
@@ -139,6 +141,38 @@ def _kernel_table(prof: Any, steps: int) -> dict[str, Any]:
     return {"kernels_per_step": count / steps, "device_us_per_step": total_us / steps, "top": rows[:25]}
 
 
+def _time_outside_decode(dec: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """One more ``generate``, with the parts a call runs besides its decode steps timed
+    (synchronised): bringing the merged weight copies up to date, and the prompt's prefill."""
+    import grpo_plugins.generators.static_decode as static_decode
+
+    spent = {"refresh_weights_s": 0.0, "prefill_s": 0.0}
+
+    def timed(key: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            spent[key] += time.perf_counter() - t0
+            return out
+
+        return call
+
+    decode_parts, prefill = dec._decode_parts, static_decode.prefill
+    dec._decode_parts = timed("refresh_weights_s", decode_parts)
+    static_decode.prefill = timed("prefill_s", prefill)
+    try:
+        sync()
+        t0 = time.perf_counter()
+        dec.generate(prompts)
+        sync()
+        spent["generate_s"] = time.perf_counter() - t0
+    finally:
+        dec._decode_parts, static_decode.prefill = decode_parts, prefill
+    return spent
+
+
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.reset()
     model = common.build_model()
@@ -165,6 +199,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "first_generate_s": first_s,
         "generate_s": sorted(times)[len(times) // 2],
         "ms_per_token": 1000 * sorted(times)[len(times) // 2] / args.tokens,
+        "outside_decode_s": _time_outside_decode(dec, prompts),
     }
     if DEVICE == "cuda":
         graph = next(iter(dec._graphs.values()))

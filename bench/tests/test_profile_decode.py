@@ -38,3 +38,16 @@ def test_candidate_layers_equal_the_shipped_decode_layer(name: str, arch: str, t
         got = profile.LAYERS[name](parts, layer, h, cos, sin, k2, v2, bias, index)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.equal(k2[:, :, cur], k_cache[:, :, cur])  # the new key was written
+
+
+def test_the_outside_decode_timing_splits_a_generate_and_restores_the_decoder(tmp_path: Path) -> None:
+    import bench.profile_decode as profile
+    import grpo_plugins.generators.static_decode as static_decode
+
+    model, _ = load_model(tiny_model_spec(tmp_path / "qwen2", "qwen2"), dtype="float32", seed=0)
+    dec = profile._decoder(model, 4, {"merge_weights": True})  # uncompiled on a CPU
+    prefill, decode_parts = static_decode.prefill, dec._decode_parts
+    spent = profile._time_outside_decode(dec, [[5, 6, 7], [8, 9]])
+    assert 0 < spent["prefill_s"] < spent["generate_s"]
+    assert 0 < spent["refresh_weights_s"] < spent["generate_s"]
+    assert static_decode.prefill is prefill and dec._decode_parts == decode_parts

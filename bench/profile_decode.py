@@ -14,8 +14,9 @@ Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), 
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
 ``merge_weights`` forced on / off (by default on for LoRA models only); ``fp8``: ``dynamic``
-decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
-matrix-product templates compete with cuBLAS);
+decoding from float8 weight copies; ``int8w``: the merged copies as int8 weights read by a
+Triton kernel for small batches (bench/int8_decode.py, a candidate); ``tuned``: merged weights
+compiled with max-autotune (Triton matrix-product templates compete with cuBLAS);
 ``onewindow``: ``dynamic`` with one attention window over
 the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
 ``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
@@ -50,6 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
     "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
+    "int8w": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "int8": True},
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     # Candidate decode attentions (this file only until one is measured to win): one fused kernel
@@ -113,6 +115,11 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128),
     )
+    if variant.get("int8"):
+        from bench.int8_decode import use_int8_weights
+
+        dec._decode_parts()  # builds the merged copies
+        use_int8_weights(dec._merged)
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):

@@ -9,11 +9,18 @@ one byte per weight. Products with few output blocks split K over several progra
 partial sums, then one reduction) so that every SM streams.
 
 ``python bench/profile_decode.py --shape qwen2.5-7b --lora 16 --variants dynamic int8w``
+
+Run as a script, it times the kernel alone against the bf16 product (``F.linear``, cuBLAS) on
+the fused projections of a decode step (64 rows; Qwen2.5-7B and 1.5B shapes) and prints each
+one's weight bandwidth:
+
+``python bench/int8_decode.py [--rows 64]``
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -88,13 +95,14 @@ def int8_weight_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, progr
     block_n, block_k, split = _plan(N, K, programs)
     k_per_split = -(-K // (split * block_k)) * block_k
     block_m = max(16, triton.next_power_of_2(M))
-    partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    # One split writes the result in x's dtype (the store rounds); several write float32 partials.
+    out = torch.empty(split, M, N, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = (triton.cdiv(N, block_n), split)
     _int8_weight_mm[grid](
-        x.contiguous(), w8, scale, partial, M, N, K, k_per_split,
+        x.contiguous(), w8, scale, out, M, N, K, k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
-    return (partial[0] if split == 1 else partial.sum(0)).to(x.dtype)
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
 
 @torch.library.custom_op("grpo_bench::int8_weight_mm", mutates_args=())
@@ -134,3 +142,66 @@ def use_int8_weights(merged_layers: list[Any]) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj, attn.o_proj = Int8WeightLinear(attn.qkv_proj), Int8WeightLinear(attn.o_proj)
         mlp.gate_up_proj, mlp.down_proj = Int8WeightLinear(mlp.gate_up_proj), Int8WeightLinear(mlp.down_proj)
+
+
+#: (name, N, K) of the fused decode projections: q/k/v, o, gate/up, down.
+SHAPES = {
+    "qwen2.5-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+    "qwen2.5-1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
+}
+
+
+def _time_us(fn: Any, repeats: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = torch.cuda.CUDAGraph()  # replayed, as the decode step is: no launch gaps
+    with torch.cuda.graph(graph):
+        fn()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    args = parser.parse_args()
+    assert torch.cuda.is_available() and triton is not None, "needs a CUDA GPU and Triton"
+    torch.manual_seed(0)
+    rows = []
+    for model, shapes in SHAPES.items():
+        for name, N, K in shapes:
+            x = torch.randn(args.rows, K, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+            w8, scale = quantize_int8(w)
+            got, want = int8_weight_mm(x, w8, scale), reference_mm(x, w8, scale)
+            err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+            bf16_us = _time_us(lambda: torch.nn.functional.linear(x, w))
+            int8_us = _time_us(lambda: int8_weight_mm(x, w8, scale))
+            row = {
+                "model": model, "product": name, "N": N, "K": K, "bf16_us": bf16_us, "int8_us": int8_us,
+                "bf16_TBps": N * K * 2 / bf16_us / 1e6, "int8_TBps": N * K / int8_us / 1e6, "rel_err": err,
+                "split": _plan(N, K, _sm_slots(0))[2],
+            }
+            rows.append(row)
+            print(
+                f"{model:13} {name:8} {N:6}x{K:<6} bf16 {bf16_us:7.1f} us ({row['bf16_TBps']:.2f} TB/s)  "
+                f"int8 {int8_us:7.1f} us ({row['int8_TBps']:.2f} TB/s, split {row['split']})  rel err {err:.1e}",
+                flush=True,
+            )
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "int8_decode.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": args.rows, "products": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

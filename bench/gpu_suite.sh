@@ -22,6 +22,8 @@
 #                non-finite-gradient diagnosis of the GPU example
 #   lengths      the training pass on completions of varied length, padded and grouped by length
 #                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
+#   candidates   speed candidates awaiting a decision: the int8-weight decode kernel, fused copies
+#                for full fine-tuning in a whole step, the 7B training pass (profile, pass sizes)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
 #                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
@@ -42,8 +44,8 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths vlm release all"
+[ $# -gt 0 ] || { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
 done
@@ -131,6 +133,22 @@ phase_decode() {
   need_tokenizer
   run decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager fused
   run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic unmerged
+}
+
+# Speed candidates not yet decided (bench/RESULTS.md, "Not measured yet"), shortest first.
+phase_candidates() {
+  need_tokenizer
+  local lora='"lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "dtype": "model"}, "gradient_checkpointing": false'
+  local b7=(bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 --frameworks ours --steps 2 --warmup 1)
+  run candidates/int8-kernel "$PY" bench/int8_decode.py
+  run candidates/decode-1.5b "$PY" bench/profile_decode.py --shape qwen2.5-1.5b --tokens 256 --variants dynamic fused int8w
+  run candidates/decode-7b "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 256 --variants dynamic int8w \
+    --repeats 2 --profile-steps 10
+  run candidates/step-1.5b "$PY" bench/bench_grpo.py --shape qwen2.5-1.5b --tokens 1024 --frameworks ours --steps 2 --warmup 1 \
+    --ours-variants '{"": {}, " unfused": {"generator": {"name": "static", "params": {"merge_weights": false}}}, " nockpt": {"gradient_checkpointing": false}}'
+  run candidates/train-7b "$PY" bench/profile_step.py --shape qwen2.5-7b --lora 16 --tokens 1024 --steps 1 --warmup 1 --profile \
+    --train-chunk-rows 8 --overrides "{$lora}"
+  run candidates/pass-7b "$PY" "${b7[@]}" --ours-variants "{\" rows8\": {$lora, \"train_chunk_rows\": 8}, \" pass16384\": {$lora, \"train_pass_tokens\": 16384}}"
 }
 
 phase_vllm() {
@@ -248,13 +266,13 @@ phase_release() {
 
 for phase in "$@"; do
   case $phase in
-    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|vlm|release) "phase_$phase" ;;
+    setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|candidates|vlm|release) "phase_$phase" ;;
     trl-vllm) if have_vllm; then phase_trl_vllm; else echo "=== trl-vllm: skipped (vLLM is not installed)"; fi ;;
     vllm) if have_vllm; then phase_vllm; else echo "=== vllm: skipped (vLLM is not installed)"; fi ;;
     all)
       phase_setup; phase_trl; phase_step; phase_generator; phase_decode; phase_memory; phase_unsloth
       if have_vllm; then phase_trl_vllm; phase_vllm; else echo "=== trl-vllm, vllm: skipped (vLLM is not installed)"; fi
-      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_vlm; phase_release ;;
+      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_candidates; phase_vlm; phase_release ;;
   esac
 done
 echo "=== results in $OUT_ROOT"

@@ -84,8 +84,12 @@ def _sm_slots(device_index: int) -> int:
     return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def int8_weight_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, programs: int | None = None) -> torch.Tensor:
-    """``x`` (M, K) 16-bit, ``w8`` (N, K) int8, ``scale`` (N,) float32 -> (M, N) in ``x``'s dtype."""
+def int8_weight_mm(
+    x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, programs: int | None = None, config: dict[str, int] | None = None
+) -> torch.Tensor:
+    """``x`` (M, K) 16-bit, ``w8`` (N, K) int8, ``scale`` (N,) float32 -> (M, N) in ``x``'s dtype.
+    ``config`` (the sweep): ``block_n``, ``block_k``, ``split``, ``num_warps``, ``num_stages``
+    instead of the planned ones."""
     M, K = x.shape
     N = w8.shape[0]
     if triton is None or M > MAX_ROWS:
@@ -93,6 +97,10 @@ def int8_weight_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, progr
     if programs is None:
         programs = _sm_slots(x.device.index or 0) if x.is_cuda else 1
     block_n, block_k, split = _plan(N, K, programs)
+    launch: dict[str, int] = {}
+    if config:
+        block_n, block_k, split = config.get("block_n", block_n), config.get("block_k", block_k), config.get("split", split)
+        launch = {k: config[k] for k in ("num_warps", "num_stages") if k in config}
     k_per_split = -(-K // (split * block_k)) * block_k
     block_m = max(16, triton.next_power_of_2(M))
     # One split writes the result in x's dtype (the store rounds); several write float32 partials.
@@ -100,7 +108,7 @@ def int8_weight_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, progr
     grid = (triton.cdiv(N, block_n), split)
     _int8_weight_mm[grid](
         x.contiguous(), w8, scale, out, M, N, K, k_per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch,
     )
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
 
@@ -151,6 +159,22 @@ SHAPES = {
 }
 
 
+def _sweep_configs(N: int, K: int) -> list[dict[str, int]]:
+    """Launch settings to try for one product: tile width and depth, K splits, pipeline stages."""
+    configs = []
+    for block_n in (32, 64, 128):
+        for block_k in (128, 256):
+            blocks = -(-N // block_n)
+            for split in (1, 2, 4, 8):
+                if K // (block_k * split) < 1 or (split > 1 and blocks >= 264):
+                    continue
+                for num_stages in (3, 5):
+                    configs.append(
+                        {"block_n": block_n, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": num_stages}
+                    )
+    return configs
+
+
 def _time_us(fn: Any, repeats: int = 200) -> float:
     for _ in range(10):
         fn()
@@ -172,6 +196,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--no-sweep", action="store_true", help="time the planned launch only")
     args = parser.parse_args()
     assert torch.cuda.is_available() and triton is not None, "needs a CUDA GPU and Triton"
     torch.manual_seed(0)
@@ -190,12 +215,27 @@ def main() -> None:
                 "bf16_TBps": N * K * 2 / bf16_us / 1e6, "int8_TBps": N * K / int8_us / 1e6, "rel_err": err,
                 "split": _plan(N, K, _sm_slots(0))[2],
             }
+            if not args.no_sweep:
+                best = None
+                for config in _sweep_configs(N, K):
+                    try:
+                        us = _time_us(lambda: int8_weight_mm(x, w8, scale, config=config), repeats=50)
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                        print(f"    {config}: {type(exc).__name__}", flush=True)
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, config)
+                if best is not None:
+                    row["best_us"], row["best_config"] = best
+                    row["best_TBps"] = N * K / best[0] / 1e6
             rows.append(row)
             print(
                 f"{model:13} {name:8} {N:6}x{K:<6} bf16 {bf16_us:7.1f} us ({row['bf16_TBps']:.2f} TB/s)  "
                 f"int8 {int8_us:7.1f} us ({row['int8_TBps']:.2f} TB/s, split {row['split']})  rel err {err:.1e}",
                 flush=True,
             )
+            if "best_us" in row:
+                print(f"{'':22} best {row['best_us']:7.1f} us ({row['best_TBps']:.2f} TB/s) {row['best_config']}", flush=True)
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)

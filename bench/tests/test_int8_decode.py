@@ -44,6 +44,9 @@ for M, N, K, programs in [(5, 48, 64, 1), (64, 200, 512, 64), (3, 70, 1000, 8)]:
     got, want = int8_weight_mm(x, w8, scale, programs=programs), reference_mm(x, w8, scale)
     assert got.shape == (M, N)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+x, (w8, scale) = torch.randn(4, 256), quantize_int8(torch.randn(96, 256))
+for config in [{"block_n": 32, "block_k": 64, "split": 2}, {"block_n": 128, "block_k": 128, "split": 1}]:  # the sweep's
+    torch.testing.assert_close(int8_weight_mm(x, w8, scale, config=config), reference_mm(x, w8, scale), rtol=1e-5, atol=1e-4)
 print("ok")
 """
 

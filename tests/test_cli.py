@@ -162,6 +162,27 @@ def test_plan_warns_at_two_generations(capsys):
     assert "warning: num_generations is 2" in capsys.readouterr().err
 
 
+def test_our_warning_prints_once_per_command_even_after_a_catch_warnings_block(capsys, monkeypatch):
+    import warnings
+
+    from grpo_plugins.batching import BatchPlanWarning
+
+    monkeypatch.setattr(warnings, "showwarning", cli._warnings_printer(warnings.showwarning))
+
+    def plan_twice():  # the config check, then the run's own plan, with a library's block between
+        for _ in range(2):
+            warnings.warn("num_generations is 2: noisy", BatchPlanWarning, stacklevel=1)
+            with warnings.catch_warnings():  # leaving it resets Python's once-per-place memory
+                warnings.simplefilter("ignore")
+        warnings.warn("another one", BatchPlanWarning, stacklevel=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        plan_twice()
+    err = capsys.readouterr().err
+    assert err.count("num_generations is 2: noisy") == 1 and err.count("another one") == 1
+
+
 # -- validate ------------------------------------------------------------------------------------
 
 PROBE = """

@@ -209,10 +209,17 @@ def _set_misuse(argv: Sequence[str]) -> str | None:
 
 
 def _warnings_printer(previous: Callable[..., None]) -> Callable[..., None]:
-    """Our own warnings (batch plan, config) as one yellow line; everyone else's unchanged."""
+    """Our own warnings (batch plan, config) as one yellow line, each text once per command (the
+    config is checked before a run and again when the run plans its batches; Python's own
+    once-per-place memory is reset whenever a library leaves a ``catch_warnings`` block);
+    everyone else's unchanged."""
+    shown: set[tuple[type[Warning], str]] = set()
 
     def show(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
         if category.__module__.startswith("grpo_plugins"):
+            if (category, str(message)) in shown:
+                return
+            shown.add((category, str(message)))
             _show_warning(message, category, *rest, **kw)
         else:
             previous(message, category, *rest, **kw)

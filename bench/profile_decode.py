@@ -20,7 +20,8 @@ compiled with max-autotune (Triton matrix-product templates compete with cuBLAS)
 ``onewindow``: ``dynamic`` with one attention window over
 the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
 ``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
-``flex_attention`` call instead of two batched products and a softmax (candidates, defined here).
+``flex_attention`` call instead of two batched products and a softmax (candidates, defined here);
+``triton``: ``fused`` with the attention as one Triton kernel (bench/decode_attention.py).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -41,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench._common as common  # noqa: E402
+from bench.decode_attention import decode_layer_triton  # noqa: E402
 from bench._common import DEVICE, gib, out_dir, sync, write_json  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -58,6 +60,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # reading the window's keys and values once, instead of two batched products and a softmax.
     "sdpa": {"compile": True, "dynamic": True, "mode": None, "layer": "sdpa"},
     "flex": {"compile": True, "dynamic": True, "mode": None, "layer": "flex"},
+    "triton": {"compile": True, "dynamic": True, "mode": None, "layer": "triton", "merge_weights": True},
 }
 
 
@@ -102,7 +105,7 @@ def decode_layer_flex(parts: Any, layer: Any, h: Any, cos: Any, sin: Any, k_all:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-LAYERS = {"matmul": None, "sdpa": decode_layer_sdpa, "flex": decode_layer_flex}
+LAYERS = {"matmul": None, "sdpa": decode_layer_sdpa, "flex": decode_layer_flex, "triton": decode_layer_triton}
 
 
 def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:

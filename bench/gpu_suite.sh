@@ -142,7 +142,7 @@ phase_candidates() {
   local b7=(bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 --frameworks ours --steps 2 --warmup 1)
   run candidates/int8-kernel "$PY" bench/int8_decode.py
   run candidates/decode-1.5b "$PY" bench/profile_decode.py --shape qwen2.5-1.5b --tokens 256 --variants dynamic fused int8w triton
-  run candidates/decode-7b "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 256 --variants dynamic int8w triton \
+  run candidates/decode-7b "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 256 --variants dynamic int8w triton int8triton \
     --repeats 2 --profile-steps 10
   run candidates/step-1.5b "$PY" bench/bench_grpo.py --shape qwen2.5-1.5b --tokens 1024 --frameworks ours --steps 2 --warmup 1 \
     --ours-variants '{"": {}, " unfused": {"generator": {"name": "static", "params": {"merge_weights": false}}}, " nockpt": {"gradient_checkpointing": false}}'

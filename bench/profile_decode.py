@@ -21,7 +21,8 @@ compiled with max-autotune (Triton matrix-product templates compete with cuBLAS)
 the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
 ``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
 ``flex_attention`` call instead of two batched products and a softmax (candidates, defined here);
-``triton``: ``fused`` with the attention as one Triton kernel (bench/decode_attention.py).
+``triton``: ``fused`` with the attention as one Triton kernel (bench/decode_attention.py);
+``int8triton``: both candidates.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -61,6 +62,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sdpa": {"compile": True, "dynamic": True, "mode": None, "layer": "sdpa"},
     "flex": {"compile": True, "dynamic": True, "mode": None, "layer": "flex"},
     "triton": {"compile": True, "dynamic": True, "mode": None, "layer": "triton", "merge_weights": True},
+    "int8triton": {"compile": True, "dynamic": True, "mode": None, "layer": "triton", "merge_weights": True, "int8": True},
 }
 
 

@@ -171,9 +171,9 @@ def _time_outside_decode(dec: Any, prompts: list[list[int]]) -> dict[str, float]
 
         return call
 
-    decode_parts, prefill = dec._decode_parts, static_decode.prefill
+    decode_parts, prefill = dec._decode_parts, static_decode.prefill_distinct
     dec._decode_parts = timed("refresh_weights_s", decode_parts)
-    static_decode.prefill = timed("prefill_s", prefill)
+    static_decode.prefill_distinct = timed("prefill_s", prefill)
     try:
         sync()
         t0 = time.perf_counter()
@@ -181,7 +181,7 @@ def _time_outside_decode(dec: Any, prompts: list[list[int]]) -> dict[str, float]
         sync()
         spent["generate_s"] = time.perf_counter() - t0
     finally:
-        dec._decode_parts, static_decode.prefill = decode_parts, prefill
+        dec._decode_parts, static_decode.prefill_distinct = decode_parts, prefill
     return spent
 
 

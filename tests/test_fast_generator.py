@@ -561,3 +561,51 @@ def test_memory_advice_names_the_static_settings_that_hold_memory(tiny_qwen2: di
     lean = StaticCacheGenerator(StaticCacheGenerator.Params(release_cache=True, merge_weights=False, max_batch_rows=8))
     lean.setup(model, tokenizer, sampling)
     assert lean.memory_advice("generation") == [] and lean.memory_advice("training") == []
+
+
+def test_repeated_prompts_are_prefilled_once_each_with_the_same_caches_and_samples(qwen2: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpo_plugins.generators import static_decode, static_steps
+
+    model, _ = qwen2
+    parts = check_supported(model)
+    group = [PROMPTS[0]] * 3 + [PROMPTS[2]] * 3 + [PROMPTS[1]] * 2  # three prompts, 3, 3 and 2 completions
+    P, L = 8, len(parts.layers)
+    ids = torch.zeros(len(group), P, dtype=torch.long)
+    valid = torch.zeros(len(group), P, dtype=torch.bool)
+    for row, p in enumerate(group):
+        ids[row, P - len(p) :] = torch.tensor(p)
+        valid[row, P - len(p) :] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+
+    def caches() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (len(group), parts.num_kv_heads, P + 4, parts.head_dim)
+        return [torch.zeros(shape) for _ in range(L)], [torch.zeros(shape) for _ in range(L)]
+
+    rows_seen: list[int] = []
+    prefill = static_steps.prefill
+
+    def counting(parts_, input_ids, *rest):
+        rows_seen.append(input_ids.shape[0])
+        return prefill(parts_, input_ids, *rest)
+
+    with torch.no_grad():
+        k_all, v_all = caches()
+        want = prefill(parts, ids, valid, positions, k_all, v_all)
+        k_once, v_once = caches()
+        monkeypatch.setattr(static_steps, "prefill", counting)
+        got = static_steps.prefill_distinct(parts, ids, valid, positions, k_once, v_once)
+    assert rows_seen == [3]  # the distinct prompts only
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(k_all + v_all, k_once + v_once):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(static_steps, "prefill", prefill)
+
+    # The whole decoder: the same samples as with every row prefilled.
+    sampling = SamplingSettings(max_completion_length=6, temperature=1.0)
+    torch.manual_seed(5)
+    once = StaticDecoder(model, sampling, [2], 0, prompt_multiple=4).generate(group)
+    monkeypatch.setattr(static_decode, "prefill_distinct", prefill)
+    torch.manual_seed(5)
+    every = StaticDecoder(model, sampling, [2], 0, prompt_multiple=4).generate(group)
+    assert torch.equal(once[0], every[0]) and torch.equal(once[1], every[1])
+    torch.testing.assert_close(once[3], every[3], rtol=1e-5, atol=1e-5)

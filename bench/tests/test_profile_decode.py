@@ -46,11 +46,11 @@ def test_the_outside_decode_timing_splits_a_generate_and_restores_the_decoder(tm
 
     model, _ = load_model(tiny_model_spec(tmp_path / "qwen2", "qwen2"), dtype="float32", seed=0)
     dec = profile._decoder(model, 4, {"merge_weights": True})  # uncompiled on a CPU
-    prefill, decode_parts = static_decode.prefill, dec._decode_parts
+    prefill, decode_parts = static_decode.prefill_distinct, dec._decode_parts
     spent = profile._time_outside_decode(dec, [[5, 6, 7], [8, 9]])
     assert 0 < spent["prefill_s"] < spent["generate_s"]
     assert 0 < spent["refresh_weights_s"] < spent["generate_s"]
-    assert static_decode.prefill is prefill and dec._decode_parts == decode_parts
+    assert static_decode.prefill_distinct is prefill and dec._decode_parts == decode_parts
 
 
 ATTENTION_CHECK = """

@@ -50,7 +50,7 @@ from grpo_plugins.generators.static_steps import (
     decode_head,
     decode_layer,
     decode_step,
-    prefill,
+    prefill_distinct,
     prefill_with_images,
     process_logits,
     sample_tokens,
@@ -402,7 +402,7 @@ class StaticDecoder:
             if images:
                 logits, start = prefill_with_images(self.model, parts, ids, valid, positions, images, st.k_cache, st.v_cache)
             else:
-                logits = prefill(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
+                logits = prefill_distinct(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
                 start = valid.long().sum(-1)
             st.key_valid[:, :P] = valid
             st.key_valid[:, P:] = True

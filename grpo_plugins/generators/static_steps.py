@@ -123,6 +123,34 @@ def prefill(
     return parts.lm_head(last)[:, 0].float()
 
 
+def prefill_distinct(
+    parts: DecoderParts,
+    input_ids: torch.Tensor,
+    key_valid: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+) -> torch.Tensor:
+    """:func:`prefill`, running each distinct prompt row once: a GRPO batch repeats every prompt
+    for each of its completions, so the prefill's cost drops by that factor. The keys, values
+    and last-position logits of a prompt are copied to every row that repeats it."""
+    B, P = input_ids.shape
+    rows = torch.cat([input_ids, key_valid.long()], dim=1)
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    U = distinct.shape[0]
+    if U == B:
+        return prefill(parts, input_ids, key_valid, positions, k_cache, v_cache)
+    first = torch.empty(U, dtype=torch.long, device=input_ids.device)
+    first.scatter_(0, inverse, torch.arange(B, device=input_ids.device))  # one row of each (they are equal)
+    shape = (U, parts.num_kv_heads, P, parts.head_dim)
+    keys = [torch.empty(shape, dtype=c.dtype, device=c.device) for c in k_cache]
+    values = [torch.empty(shape, dtype=c.dtype, device=c.device) for c in v_cache]
+    logits = prefill(parts, input_ids[first], key_valid[first], positions[first], keys, values)
+    for cache, part in zip(k_cache + v_cache, keys + values):
+        cache[:, :, :P] = part[inverse]
+    return logits[inverse]
+
+
 def prefill_with_images(
     model: Any,
     parts: DecoderParts,

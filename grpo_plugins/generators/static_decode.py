@@ -39,7 +39,6 @@ from grpo_plugins.generators.static_layers import (
     MergedLayer,
     UnsupportedModelError,
     check_supported,
-    FUSED_COPY_SHARE,
     fp8_supported,
     fused_copy_is_small,
     has_lora,
@@ -182,8 +181,8 @@ class StaticDecoder:
             copy of those weights. None (auto): on for a LoRA model whose layers allow it, where
             the adapters' separate small products (float32 under peft) otherwise dominate a
             decode step, and for full fine-tuning on a GPU when the copy is at most
-            :data:`FUSED_COPY_SHARE` of its memory (fused products: ~10% faster decoding at
-            0.5B-1.5B).
+            :data:`~grpo_plugins.generators.static_layers.FUSED_COPY_SHARE` of its memory
+            (fused products: ~10% faster decoding at 0.5B-1.5B).
     """
 
     def __init__(

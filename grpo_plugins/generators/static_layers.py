@@ -179,7 +179,8 @@ class FusedLinear(torch.nn.Module):
 
     ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
     quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
-    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).    """
+    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
+    """
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()

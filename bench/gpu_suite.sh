@@ -22,8 +22,8 @@
 #                non-finite-gradient diagnosis of the GPU example
 #   lengths      the training pass on completions of varied length, padded and grouped by length
 #                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
-#   candidates   speed candidates awaiting a decision: the int8-weight decode kernel, fused copies
-#                for full fine-tuning in a whole step, the 7B training pass (profile, pass sizes)
+#   candidates   speed candidates awaiting a decision: fused copies for full fine-tuning in a whole
+#                step, the 7B training pass (profile, pass sizes)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
 #                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
@@ -131,8 +131,9 @@ phase_generator() {
 
 phase_decode() {
   need_tokenizer
-  run decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager fused
-  run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 128 --variants dynamic unmerged
+  run decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic matmul static eager
+  run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 1024 --variants dynamic matmul \
+    --repeats 2 --profile-steps 10
 }
 
 # Speed candidates not yet decided (bench/RESULTS.md, "Not measured yet"), shortest first.
@@ -140,10 +141,6 @@ phase_candidates() {
   need_tokenizer
   local lora='"lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "dtype": "model"}, "gradient_checkpointing": false'
   local b7=(bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 --frameworks ours --steps 2 --warmup 1)
-  run candidates/int8-kernel "$PY" bench/int8_decode.py
-  run candidates/decode-1.5b "$PY" bench/profile_decode.py --shape qwen2.5-1.5b --tokens 256 --variants dynamic fused int8w triton
-  run candidates/decode-7b "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 256 --variants dynamic int8w triton int8triton \
-    --repeats 2 --profile-steps 10
   run candidates/step-1.5b "$PY" bench/bench_grpo.py --shape qwen2.5-1.5b --tokens 1024 --frameworks ours --steps 2 --warmup 1 \
     --ours-variants '{"": {}, " unfused": {"generator": {"name": "static", "params": {"merge_weights": false}}}, " nockpt": {"gradient_checkpointing": false}}'
   run candidates/train-7b "$PY" bench/profile_step.py --shape qwen2.5-7b --lora 16 --tokens 1024 --steps 1 --warmup 1 --profile \

@@ -13,16 +13,12 @@ For each variant it builds the model, generates once (compiles, captures the gra
 Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), ``static``
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
-``merge_weights`` forced on / off (by default on for LoRA models only); ``fp8``: ``dynamic``
-decoding from float8 weight copies; ``int8w``: the merged copies as int8 weights read by a
-Triton kernel for small batches (bench/int8_decode.py, a candidate); ``tuned``: merged weights
-compiled with max-autotune (Triton matrix-product templates compete with cuBLAS);
-``onewindow``: ``dynamic`` with one attention window over
-the whole cache (every step reads all of it, as before attention windows); ``sdpa`` / ``flex``:
-``dynamic`` with the decode attention as one ``scaled_dot_product_attention`` or
-``flex_attention`` call instead of two batched products and a softmax (candidates, defined here);
-``triton``: ``fused`` with the attention as one Triton kernel (bench/decode_attention.py);
-``int8triton``: both candidates.
+``merge_weights`` forced on / off (by default on for LoRA models, and for full fine-tuning where
+the copy is small); ``matmul``: ``dynamic`` with the decode attention as two batched products
+and a softmax instead of the Triton kernel (``fused_attention: false``); ``fp8``: ``dynamic``
+decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
+matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
+window over the whole cache (every step reads all of it, as before attention windows).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -43,7 +39,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench._common as common  # noqa: E402
-from bench.decode_attention import decode_layer_triton  # noqa: E402
 from bench._common import DEVICE, gib, out_dir, sync, write_json  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -54,60 +49,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
     "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
-    "int8w": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "int8": True},
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
-    # Candidate decode attentions (this file only until one is measured to win): one fused kernel
-    # reading the window's keys and values once, instead of two batched products and a softmax.
-    "sdpa": {"compile": True, "dynamic": True, "mode": None, "layer": "sdpa"},
-    "flex": {"compile": True, "dynamic": True, "mode": None, "layer": "flex"},
-    "triton": {"compile": True, "dynamic": True, "mode": None, "layer": "triton", "merge_weights": True},
-    "int8triton": {"compile": True, "dynamic": True, "mode": None, "layer": "triton", "merge_weights": True, "int8": True},
+    "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
 }
-
-
-def decode_layer_sdpa(parts: Any, layer: Any, h: Any, cos: Any, sin: Any, k_all: Any, v_all: Any, bias: Any, index: Any) -> Any:
-    """``decode_layer`` with the attention as ``scaled_dot_product_attention``: the G query heads
-    of a key/value head are G queries of one (B, Hkv) problem, ``bias`` the additive mask."""
-    from grpo_plugins.generators.static_steps import _qkv
-
-    B, G, W = h.shape[0], parts.num_heads // parts.num_kv_heads, bias.shape[-1]
-    q, k, v = _qkv(layer, layer.input_layernorm(h), cos, sin, parts)
-    k_all.index_copy_(2, index, k)
-    v_all.index_copy_(2, index, v)
-    q = q.view(B, parts.num_kv_heads, G, parts.head_dim)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q, k_all[:, :, :W], v_all[:, :, :W], attn_mask=bias.to(q.dtype), scale=parts.scaling
-    )  # (B, Hkv, G, D)
-    h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def decode_layer_flex(parts: Any, layer: Any, h: Any, cos: Any, sin: Any, k_all: Any, v_all: Any, bias: Any, index: Any) -> Any:
-    """``decode_layer`` with the attention as ``flex_attention`` (compiled: its split-KV decoding
-    kernel), grouped-query heads native, ``bias`` added to the scores by a score_mod."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from grpo_plugins.generators.static_steps import _qkv
-
-    B, W = h.shape[0], bias.shape[-1]
-    q, k, v = _qkv(layer, layer.input_layernorm(h), cos, sin, parts)  # q (B, Hq, 1, D)
-    k_all.index_copy_(2, index, k)
-    v_all.index_copy_(2, index, v)
-    row_bias = bias[:, 0, 0, :]  # (B, W)
-
-    def add_bias(score: Any, b: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return score + row_bias[b, kv_idx]
-
-    o = flex_attention(
-        q, k_all[:, :, :W], v_all[:, :, :W], score_mod=add_bias, enable_gqa=parts.num_heads != parts.num_kv_heads,
-        scale=parts.scaling,
-    )  # (B, Hq, 1, D)
-    h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, 1, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-LAYERS = {"matmul": None, "sdpa": decode_layer_sdpa, "flex": decode_layer_flex, "triton": decode_layer_triton}
 
 
 def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
@@ -118,20 +63,14 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
     dec = StaticDecoder(
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
-        window_step=variant.get("window_step", 128),
+        window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
     )
-    if variant.get("int8"):
-        from bench.int8_decode import use_int8_weights
-
-        dec._decode_parts()  # builds the merged copies
-        use_int8_weights(dec._merged)
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):
             kw["mode"] = variant["mode"]
-        layer_fn = LAYERS[variant.get("layer", "matmul")] or decode_layer
         dec._compiled_step = functools.partial(
-            decode_step, layer_fn=torch.compile(layer_fn, **kw), head_fn=torch.compile(decode_head, **kw)
+            decode_step, layer_fn=torch.compile(decode_layer, **kw), head_fn=torch.compile(decode_head, **kw)
         )
     return dec
 

@@ -85,6 +85,11 @@ class StaticCacheGenerator(Generator):
             description="Decode from float8 (e4m3) copies of the merged projection weights, one scale per output channel, with the activations quantised to float8 per row (torch._scaled_mm; GPUs with float8 tensor cores: Ada, Hopper and newer): half the weight bytes a decode step reads. The sampler is then no longer exactly the trained policy, so vllm_importance_sampling_correction: auto turns the rollout correction on. The LM head and attention stay 16-bit.",
         )
 
+        fused_attention: bool | None = Field(
+            None,
+            description="Compute the decode step's attention with one Triton kernel that reads the window's keys and values once, instead of two batched products and a softmax (7B LoRA on an H200: 5.7 instead of 6.7 ms per generated token). Default: on where it can run (a CUDA device with Triton, head dimension a power of two from 16 to 256); false keeps the products.",
+        )
+
     samples_from_policy = True
     # Prompts with images: the vision-language model's own forward fills the cache, then the
     # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
@@ -139,6 +144,7 @@ class StaticCacheGenerator(Generator):
             merge_weights=self.params.merge_weights,
             max_batch_rows=self.params.max_batch_rows,
             fp8=self.params.fp8,
+            fused_attention=self.params.fused_attention,
         )
 
     @contextlib.contextmanager

@@ -33,6 +33,7 @@ import torch
 from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import cut_at_eos
+from grpo_plugins.generators.decode_attention import use_fused_attention
 from grpo_plugins.generators.static_layers import (
     SUPPORTED_MODEL_TYPES,
     DecoderParts,
@@ -183,6 +184,8 @@ class StaticDecoder:
             decode step, and for full fine-tuning on a GPU when the copy is at most
             :data:`~grpo_plugins.generators.static_layers.FUSED_COPY_SHARE` of its memory
             (fused products: ~10% faster decoding at 0.5B-1.5B).
+        fused_attention: the decode attention as one Triton kernel
+            (:mod:`~grpo_plugins.generators.decode_attention`); None (auto): where it can run.
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class StaticDecoder:
         max_batch_rows: int | None = None,
         window_step: int = 128,
         fp8: bool = False,
+        fused_attention: bool | None = None,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -239,6 +243,7 @@ class StaticDecoder:
             raise UnsupportedModelError(f"generator 'static': {what} needs mergeable layers, but {reason}")
         self.merge_weights = merge_weights
         self.fp8 = fp8
+        self.parts = dataclasses.replace(self.parts, fused_attention=use_fused_attention(self.parts, fused_attention))
 
     # -- graphs ---------------------------------------------------------------------------------
 

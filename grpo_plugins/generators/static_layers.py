@@ -40,6 +40,8 @@ class DecoderParts:
     vocab_size: int
     sliding_window: int | None
     sectioned_rope: bool = False
+    #: decode attention as one Triton kernel (:mod:`~grpo_plugins.generators.decode_attention`)
+    fused_attention: bool = False
 
 
 class SectionedRotary(torch.nn.Module):

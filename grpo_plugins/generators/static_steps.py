@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from grpo_plugins.generators.decode_attention import fused_window_attention, window_attention
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
 
@@ -270,7 +271,7 @@ def decode_layer(
 ) -> torch.Tensor:
     """One decoder layer for one new token per row: writes its key/value at cache index
     ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over the first W slots under
-    ``bias`` (B, 1, 1, W), W <= S (the attention window of the step, see :func:`decode_step`).
+    ``bias`` (B, W), W <= S (the attention window of the step, see :func:`decode_step`).
     ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is compiled once
     for the whole model."""
     B = h.shape[0]
@@ -281,12 +282,9 @@ def decode_layer(
     k_all.index_copy_(2, index, k)
     v_all.index_copy_(2, index, v)
     keys, values = k_all[:, :, :W], v_all[:, :, :W]  # only the slots written so far are read
-    # Grouped-query attention without repeating the cache: the G query heads that share a
-    # key/value head become G rows of one (G, D) x (D, W) product.
     q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * parts.scaling + bias  # (B, Hkv, G, W)
-    probs = scores.float().softmax(dim=-1).to(values.dtype)
-    o = torch.matmul(probs, values)  # (B, Hkv, G, D)
+    attend = fused_window_attention if parts.fused_attention else window_attention
+    o = attend(q, keys, values, bias, parts.scaling)  # (B, Hkv, G, D)
     h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -331,8 +329,7 @@ def decode_step(
     h = _embed(parts, st.token[:, None])  # (B, 1, H)
     cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
     valid = st.key_valid[:, :W] & (st.slots[:W] <= st.cur)  # (B, W)
-    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))
-    bias = bias[:, None, None, :]  # (B, 1, 1, S)
+    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))  # (B, W)
     index = st.cur.view(1)
     for i, layer in enumerate(parts.layers):
         h = layer_fn(parts, layer, h, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)

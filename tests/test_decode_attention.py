@@ -1,0 +1,122 @@
+"""The decode step's attention: the batched-product form equals textbook grouped-query attention,
+the Triton kernel (run by Triton's interpreter on the CPU, float32) equals the products, and a
+whole static decode with the kernel samples what the products sample."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.generators.decode_attention import fused_attention_unsupported, window_attention
+from grpo_plugins.generators.static_decode import StaticDecoder
+from grpo_plugins.kinds import SamplingSettings
+from grpo_plugins.models import load_model
+from grpo_plugins.testing.tiny import tiny_model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_window_attention_is_grouped_query_attention_under_an_additive_mask() -> None:
+    torch.manual_seed(0)
+    B, Hkv, G, D, W = 2, 3, 4, 8, 10
+    q, k, v = torch.randn(B, Hkv, G, D), torch.randn(B, Hkv, W, D), torch.randn(B, Hkv, W, D)
+    bias = torch.zeros(B, W)
+    bias[0, :3] = float("-inf")
+    got = window_attention(q, k, v, bias, 0.3)
+    for b in range(B):
+        for h in range(Hkv * G):
+            keep = bias[b] == 0
+            kv = h // G  # query head h reads key/value head h // G
+            scores = (q[b, kv, h % G].double() @ k[b, kv, keep].double().T) * 0.3
+            expected = scores.softmax(-1) @ v[b, kv, keep].double()
+            torch.testing.assert_close(got[b, kv, h % G].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_says_where_it_cannot_run() -> None:
+    assert "CUDA" in fused_attention_unsupported(torch.device("cpu"), 128, 7)
+    cuda = torch.device("cuda")
+    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
+    assert fused_attention_unsupported(cuda, 128, 7) is None
+    assert "80" in fused_attention_unsupported(cuda, 80, 2)
+    assert "8" in fused_attention_unsupported(cuda, 8, 2)
+    assert "65" in fused_attention_unsupported(cuda, 64, 65)
+
+
+def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(tmp_path: Path) -> None:
+    model, _ = load_model(tiny_model_spec(tmp_path, "qwen2"), dtype="float32", seed=0)
+    sampling = SamplingSettings(max_completion_length=4)
+    with pytest.raises(GRPOPluginsError, match="fused_attention cannot run here: it needs a CUDA device; set fused_attention: false"):
+        StaticDecoder(model, sampling, [2], 0, fused_attention=True)
+    assert StaticDecoder(model, sampling, [2], 0).parts.fused_attention is False  # auto: off here
+
+
+def _interpret(script: str, *args: str) -> None:
+    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT), *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+KERNEL_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from grpo_plugins.generators.decode_attention import run_kernel, window_attention
+torch.manual_seed(0)
+# float32 (the interpreter has no bfloat16); windows of a larger cache, as the decode layer passes them
+for B, Hkv, G, D, S, W in [(3, 2, 6, 64, 200, 130), (2, 4, 7, 128, 80, 64), (1, 1, 16, 32, 40, 17), (2, 1, 1, 16, 90, 80)]:
+    q = torch.randn(B, Hkv, G, D)
+    k_all, v_all = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    bias = torch.zeros(B, W)
+    bias[0, :70 % W] = float("-inf")  # a left-padded row: its first block can be all masked
+    bias[:, -3:] = float("-inf")  # slots not written yet
+    got = run_kernel(q, k_all[:, :, :W], v_all[:, :, :W], bias, 0.125)
+    want = window_attention(q, k_all[:, :, :W], v_all[:, :, :W], bias, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def test_the_triton_kernel_equals_the_batched_products() -> None:
+    _interpret(KERNEL_CHECK)
+
+
+DECODE_CHECK = """
+import dataclasses, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from grpo_plugins.generators.static_decode import StaticDecoder
+from grpo_plugins.kinds import SamplingSettings
+from grpo_plugins.models import load_model
+from grpo_plugins.testing.tiny import tiny_model_spec
+
+# head_dim 16 (the kernel's smallest), 4 query heads per key/value head
+spec = tiny_model_spec(Path(sys.argv[2]), "qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=1)
+model, _ = load_model(spec, dtype="float32", seed=0)
+prompts = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 5, 6, 7, 8], [1, 40]]
+sampling = SamplingSettings(max_completion_length=20, temperature=0.8)
+results = []
+for fused in (False, True):
+    dec = StaticDecoder(model.eval(), sampling, [2], 0, prompt_multiple=8, window_step=8)
+    dec.parts = dataclasses.replace(dec.parts, fused_attention=fused)  # auto turns it off on a CPU
+    torch.manual_seed(3)
+    results.append(dec.generate(prompts))
+(ids0, mask0, trunc0, logps0), (ids1, mask1, trunc1, logps1) = results
+assert torch.equal(ids0, ids1) and torch.equal(mask0, mask1) and torch.equal(trunc0, trunc1)
+assert int(mask0.sum()) > 8  # the comparison covers several windows of the cache
+torch.testing.assert_close(logps1, logps0, rtol=0, atol=5e-6)  # a 1% error in the kernel scores moves them 7e-5
+print("ok")
+"""
+
+
+def test_a_static_decode_with_the_kernel_samples_what_the_products_sample(tmp_path: Path) -> None:
+    _interpret(DECODE_CHECK, str(tmp_path))

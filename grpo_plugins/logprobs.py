@@ -45,6 +45,35 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
+def left_aligned(input_ids: Tensor, attention_mask: Tensor, completion_width: int) -> tuple[Tensor, Tensor] | None:
+    """Each row's tokens moved to its start, its padding to its end: ``(ids, shift)`` with
+    ``ids[b, i] = input_ids[b, i + shift[b]]``. None unless every row's attended tokens are one
+    contiguous run that starts before the last ``completion_width`` columns (a prompt token
+    predicts the first completion token). One host sync."""
+    att = attention_mask.bool()
+    L = att.shape[1]
+    first = att.int().argmax(-1)  # (B,) the first attended column
+    last = L - 1 - att.flip(-1).int().argmax(-1)  # (B,) the last
+    fits = (last - first + 1 == att.sum(-1)) & (first < L - completion_width)
+    if not bool(fits.all()):
+        return None
+    cols = (torch.arange(L, device=input_ids.device) + first[:, None]) % L  # (B, L)
+    return input_ids.gather(1, cols), first
+
+
+def _mask_free_attention_pays(model: Any, input_ids: Tensor) -> bool:
+    """Whether the decoder should run without a padding mask: on a GPU in 16-bit, attention
+    without a mask runs in the flash kernel (causal, grouped-query heads native; with a mask:
+    the memory-efficient kernel at about a third of its speed). In float32 on a GPU no fused
+    kernel takes grouped-query heads without a mask, so the mask stays."""
+    if input_ids.device.type != "cuda":
+        return True  # the same kernels either way; one path, tested on the CPU
+    half = (torch.bfloat16, torch.float16)
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half:
+        return True
+    return model.get_input_embeddings().weight.dtype in half
+
+
 def _causal_lm(model: Any) -> Any:
     """The transformers ``*ForCausalLM`` module inside a peft wrapper (or the model itself)."""
     if hasattr(model, "get_base_model"):  # peft.PeftModel
@@ -170,6 +199,7 @@ def _completion_logps_unwrapped(
 ) -> tuple[Tensor, Tensor | None]:
     lm = _causal_lm(model)
     head = model.get_output_embeddings()
+    aligned = None
     if inputs:
         # A vision-language model: its multimodal body merges the image features into the
         # embeddings; M-RoPE models (Qwen2-VL) compute their own 3-D positions from the mask.
@@ -179,16 +209,28 @@ def _completion_logps_unwrapped(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **inputs
         )
     else:
-        out = model.get_decoder()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        # A left-padded prompt and a right-padded completion, moved to the row's start, need no
+        # padding mask: causal attention over the prefix reads real tokens only, and what the
+        # trailing padding computes is never read. Same positions, same results.
+        aligned = left_aligned(input_ids, attention_mask, logits_to_keep) if _mask_free_attention_pays(model, input_ids) else None
+        if aligned is None:
+            ids, att, positions = input_ids, attention_mask, position_ids_from_mask(attention_mask)
+        else:
+            ids, att = aligned[0], None
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        out = model.get_decoder()(input_ids=ids, attention_mask=att, position_ids=positions, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
-    # Position i predicts token i + 1: the T completion tokens come from positions -T-1 .. -2.
-    hidden = hidden[:, -logits_to_keep - 1 : -1]  # (B, T, H)
-    targets = input_ids[:, -logits_to_keep:]  # (B, T)
+    # Position i predicts token i + 1: the T completion tokens come from positions -T-1 .. -2
+    # (shifted left by a row's prompt padding when its tokens were moved to the start).
+    T = logits_to_keep
+    if aligned is None:
+        hidden = hidden[:, -T - 1 : -1]  # (B, T, H)
+    else:
+        B, L, H = hidden.shape
+        first = torch.arange(B, device=hidden.device) * L + L - T - 1 - aligned[1]  # (B,) in (B * L) rows
+        rows = (first[:, None] + torch.arange(T, device=hidden.device)).reshape(-1)  # (B * T,)
+        hidden = hidden.reshape(B * L, H).index_select(0, rows).view(B, T, H)
+    targets = input_ids[:, -T:]  # (B, T)
     return chunked_selective_logps(
         hidden,
         targets,

@@ -1,5 +1,7 @@
 """completion_logps: the chunked selective log-softmax equals the naive full-logits computation,
-in values and gradients, and never forms more than one chunk of logits."""
+in values and gradients, and never forms more than one chunk of logits. Rows run without a
+padding mask (moved to their start), so the values at a completion's padding positions, which
+nothing reads, differ from a masked forward's: comparisons cover the real positions."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from grpo_plugins.logprobs import (
     _logit_transform,
     chunked_selective_logps,
     completion_logps,
+    left_aligned,
     position_ids_from_mask,
 )
 from grpo_plugins.models import load_model
@@ -33,6 +36,11 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def _real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, T) at the completion's real tokens, zero at its padding."""
+    return x * mask[:, -T:]
+
+
 def _naive(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, temperature: float):
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
     logits = logits[:, -T - 1 : -1] / temperature  # (B, T, V)
@@ -54,7 +62,7 @@ def test_values_and_gradients_equal_naive_log_softmax_in_float64(model64, chunk_
     logps, entropy = completion_logps(
         model64, ids, mask, T, temperature=0.7, chunk_size=chunk_size, with_entropy=True
     )
-    weights = torch.linspace(0.5, 1.5, B * T, dtype=torch.float64).reshape(B, T)
+    weights = _real(torch.linspace(0.5, 1.5, B * T, dtype=torch.float64).reshape(B, T), mask)
     (logps * weights).sum().backward()
     fast_grads = _grads(model64)
 
@@ -63,8 +71,8 @@ def test_values_and_gradients_equal_naive_log_softmax_in_float64(model64, chunk_
     ref_grads = _grads(model64)
 
     assert logps.shape == (B, T) and logps.dtype == torch.float64
-    torch.testing.assert_close(logps, ref_logps, atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(entropy, ref_entropy, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(_real(logps, mask), _real(ref_logps, mask), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(_real(entropy, mask), _real(ref_entropy, mask), atol=1e-12, rtol=1e-10)
     assert len(fast_grads) == len(ref_grads) > 0
     for fast, ref in zip(fast_grads, ref_grads):
         torch.testing.assert_close(fast, ref, atol=1e-12, rtol=1e-10)
@@ -82,7 +90,7 @@ def test_float32_model_matches_naive(tiny_model: dict) -> None:
     logps, entropy = completion_logps(model, ids, mask, T, chunk_size=3)
     ref, _ = _naive(model, ids, mask, 1.0)
     assert entropy is None and logps.dtype == torch.float32
-    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_real(logps, mask), _real(ref, mask), atol=1e-5, rtol=1e-5)
 
 
 def test_no_grad_gives_the_same_values_without_a_graph(model64) -> None:
@@ -91,7 +99,7 @@ def test_no_grad_gives_the_same_values_without_a_graph(model64) -> None:
         logps, _ = completion_logps(model64, ids, mask, T, chunk_size=4)
     ref, _ = _naive(model64, ids, mask, 1.0)
     assert not logps.requires_grad
-    torch.testing.assert_close(logps, ref.detach(), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(_real(logps, mask), _real(ref.detach(), mask), atol=1e-12, rtol=1e-10)
 
 
 def test_left_padding_does_not_change_a_rows_logps(model64) -> None:
@@ -114,14 +122,14 @@ def test_lora_model_gradients_reach_the_adapters_and_match_naive(tiny_model: dic
                 p.normal_(0, 0.1)
     ids, mask = _batch(2)
     logps, _ = completion_logps(model, ids, mask, T, temperature=1.3, chunk_size=2)
-    logps.sum().backward()
+    _real(logps, mask).sum().backward()
     fast = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     ref, _ = _naive(model, ids, mask, 1.3)
-    ref.sum().backward()
+    _real(ref, mask).sum().backward()
     slow = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert fast.keys() == slow.keys() and all("lora_" in n for n in fast)
-    torch.testing.assert_close(logps, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(_real(logps, mask), _real(ref, mask), atol=1e-12, rtol=1e-10)
     for name in fast:
         torch.testing.assert_close(fast[name], slow[name], atol=1e-12, rtol=1e-10)
 
@@ -200,11 +208,11 @@ def test_ddp_wrapped_model_runs_through_the_wrappers_forward(tiny_model: dict, t
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         logps, _ = completion_logps(ddp, ids, mask, T, chunk_size=4)
-        logps.sum().backward()
+        _real(logps, mask).sum().backward()
         fast = _grads(model)
         assert "forward" not in model.__dict__  # the inner forward was restored
         ref, _ = _naive(model, ids, mask, 1.0)
-        ref.sum().backward()
+        _real(ref, mask).sum().backward()
         for a, b in zip(fast, _grads(model)):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
     finally:
@@ -219,3 +227,38 @@ def test_chunked_selective_logps_on_plain_tensors() -> None:
     logps, _ = chunked_selective_logps(hidden, targets, head, chunk_size=4)
     ref = torch.log_softmax(head(hidden), -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(logps, ref)
+
+
+def test_left_aligned_moves_each_rows_tokens_to_its_start() -> None:
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [3, 4, 5, 6, 7, 8], [0, 9, 8, 0, 0, 0]])
+    mask = (ids != 0).long()
+    moved = left_aligned(ids, mask, completion_width=3)
+    assert moved is not None
+    aligned, shift = moved
+    assert shift.tolist() == [2, 0, 1]
+    assert aligned.tolist() == [[5, 6, 7, 0, 0, 0], [3, 4, 5, 6, 7, 8], [9, 8, 0, 0, 0, 0]]
+    holed = mask.clone()
+    holed[1, 3] = 0  # an unattended token between attended ones
+    assert left_aligned(ids, holed, completion_width=3) is None
+    assert left_aligned(ids, mask, completion_width=4) is None  # row 0 has no token before the last 4 columns
+
+
+def test_the_decoder_runs_without_a_mask_and_falls_back_to_it_for_a_holed_row(model64, monkeypatch) -> None:
+    seen: list[object] = []
+    decoder = model64.get_decoder()
+    forward = decoder.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("attention_mask"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "forward", spy)
+    ids, mask = _batch()
+    with torch.no_grad():
+        completion_logps(model64, ids, mask, T)
+        holed = mask.clone()
+        holed[2, P + 1] = 0  # e.g. a masked-out token inside the completion
+        logps, _ = completion_logps(model64, ids, holed, T)
+    assert seen[0] is None and seen[1] is holed
+    ref, _ = _naive(model64, ids, holed, 1.0)
+    torch.testing.assert_close(logps, ref, atol=1e-12, rtol=1e-10)  # the masked path: every position

@@ -8,7 +8,8 @@ finite; the NaN appears in the LoRA/weight gradients of the top layer and spread
 the GPU example at a 192-column micro-batch: compiled layers pad lengths to a multiple of 8, so
 such lengths come up often (bench/RESULTS.md, "GPU numerics checks"). The training and
 log-prob passes therefore run with cuDNN attention switched off (flash, memory-efficient and
-math stay on); generation is forward-only and is not affected.
+math stay on); generation is forward-only and is not affected. Text rows usually run without a
+mask at all (:func:`~grpo_plugins.logprobs.left_aligned`), which selects the flash kernel.
 """
 
 from __future__ import annotations

@@ -329,7 +329,9 @@ def decode_step(
     h = _embed(parts, st.token[:, None])  # (B, 1, H)
     cos, sin = parts.rotary(h, st.position[:, None])  # (B, 1, D)
     valid = st.key_valid[:, :W] & (st.slots[:W] <= st.cur)  # (B, W)
-    bias = torch.zeros(valid.shape, dtype=h.dtype, device=h.device).masked_fill(~valid, float("-inf"))  # (B, W)
+    # float32 once per step: the attention kernel reads it so (converting it in each layer cost 28
+    # copy kernels a step); the batched products cast it to the model's dtype inside their graph.
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=h.device).masked_fill(~valid, float("-inf"))  # (B, W)
     index = st.cur.view(1)
     for i, layer in enumerate(parts.layers):
         h = layer_fn(parts, layer, h, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)

@@ -64,10 +64,13 @@ def left_aligned(input_ids: Tensor, attention_mask: Tensor, completion_width: in
 def _mask_free_attention_pays(model: Any, input_ids: Tensor) -> bool:
     """Whether the decoder should run without a padding mask: on a GPU in 16-bit, attention
     without a mask runs in the flash kernel (causal, grouped-query heads native; with a mask:
-    the memory-efficient kernel at about a third of its speed). In float32 on a GPU no fused
-    kernel takes grouped-query heads without a mask, so the mask stays."""
+    the memory-efficient kernel, which computes the whole causal square). In float32 on a GPU no fused
+    kernel takes grouped-query heads without a mask, so the mask stays; so it does on GPUs older
+    than Ampere (no flash kernel)."""
     if input_ids.device.type != "cuda":
         return True  # the same kernels either way; one path, tested on the CPU
+    if torch.cuda.get_device_capability(input_ids.device)[0] < 8:
+        return False
     half = (torch.bfloat16, torch.float16)
     if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half:
         return True

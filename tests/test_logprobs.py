@@ -262,3 +262,26 @@ def test_the_decoder_runs_without_a_mask_and_falls_back_to_it_for_a_holed_row(mo
     assert seen[0] is None and seen[1] is holed
     ref, _ = _naive(model64, ids, holed, 1.0)
     torch.testing.assert_close(logps, ref, atol=1e-12, rtol=1e-10)  # the masked path: every position
+
+
+def test_the_mask_stays_where_no_flash_kernel_would_take_its_place(model64, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from grpo_plugins.logprobs import _mask_free_attention_pays
+
+    assert _mask_free_attention_pays(model64, torch.zeros(1, 3, dtype=torch.long))  # the CPU: one path
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: False)
+    assert not _mask_free_attention_pays(model64, on_gpu)  # float64 weights, no autocast
+    model64.to(torch.bfloat16)  # in place
+    assert _mask_free_attention_pays(model64, on_gpu)
+    capability[0] = (7, 5)  # before Ampere: no flash kernel
+    assert not _mask_free_attention_pays(model64, on_gpu)
+    capability[0] = (8, 0)
+    model64.float()
+    assert not _mask_free_attention_pays(model64, on_gpu)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type=None: torch.bfloat16)
+    assert _mask_free_attention_pays(model64, on_gpu)  # float32 weights under bf16 autocast

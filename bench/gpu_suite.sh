@@ -110,8 +110,10 @@ phase_trl_vllm() {
         --frameworks ours trl-vllm --steps 3 --warmup 2 --trl-steps $((tokens == 256 ? 3 : 2)) --trl-warmup 1
     done
   done
-  run trl-vllm/qwen2.5-7b-lora16-1024 "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
-    --frameworks ours --steps 3 --warmup 2
+  # The 7B row: ours with the benchmark's shared settings and with the `fast` ones, and TRL + vLLM, in one call.
+  local fast='"lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "dtype": "model"}, "gradient_checkpointing": false, "train_chunk_rows": 8'
+  run trl-vllm/qwen2.5-7b-lora16-1024 "${env[@]}" "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
+    --frameworks ours trl-vllm --steps 2 --warmup 1 --trl-steps 2 --trl-warmup 1 --ours-variants "{\"\": {}, \" fast\": {$fast}}"
   run trl-vllm/master-weights "$PY" bench/bench_grpo.py --shape qwen2.5-0.5b --tokens 256 --frameworks ours \
     --steps 3 --warmup 2 --ours-variants '{" master": {}, " nomaster": {"master_weights": false}}'
 }

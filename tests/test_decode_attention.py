@@ -39,13 +39,16 @@ def test_window_attention_is_grouped_query_attention_under_an_additive_mask() ->
 
 
 def test_the_kernel_says_where_it_cannot_run() -> None:
-    assert "CUDA" in fused_attention_unsupported(torch.device("cpu"), 128, 7)
+    bf16 = torch.bfloat16
+    assert "CUDA" in fused_attention_unsupported(torch.device("cpu"), 128, 7, bf16)
     cuda = torch.device("cuda")
     pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    assert fused_attention_unsupported(cuda, 128, 7) is None
-    assert "80" in fused_attention_unsupported(cuda, 80, 2)
-    assert "8" in fused_attention_unsupported(cuda, 8, 2)
-    assert "65" in fused_attention_unsupported(cuda, 64, 65)
+    assert fused_attention_unsupported(cuda, 128, 7, bf16) is None
+    assert fused_attention_unsupported(cuda, 64, 4, torch.float16) is None
+    assert "float32" in fused_attention_unsupported(cuda, 128, 7, torch.float32)
+    assert "80" in fused_attention_unsupported(cuda, 80, 2, bf16)
+    assert "8" in fused_attention_unsupported(cuda, 8, 2, bf16)
+    assert "65" in fused_attention_unsupported(cuda, 64, 65, bf16)
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(tmp_path: Path) -> None:

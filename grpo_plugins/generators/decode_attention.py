@@ -40,12 +40,15 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.matmul(probs, values)
 
 
-def fused_attention_unsupported(device: torch.device, head_dim: int, groups: int) -> str | None:
+def fused_attention_unsupported(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype) -> str | None:
     """Why :func:`fused_window_attention` cannot run for these heads on ``device`` (None: it can)."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if triton is None:
         return "Triton is not installed"
+    if dtype not in (torch.bfloat16, torch.float16):
+        # Triton's products would run float32 inputs in TF32: coarser than the model's own attention.
+        return f"the kernel takes bfloat16 or float16 models, not {str(dtype).removeprefix('torch.')}"
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         return f"the kernel takes head dimensions that are powers of two from 16 to 256, not {head_dim}"
     if groups > 64:
@@ -57,7 +60,8 @@ def use_fused_attention(parts: Any, wanted: bool | None) -> bool:
     """The ``fused_attention`` setting for a model's decoder parts: ``wanted``, or where it can
     run when None; asking for it where it cannot run is an error naming the setting."""
     groups = parts.num_heads // parts.num_kv_heads
-    unsupported = fused_attention_unsupported(parts.embed.weight.device, parts.head_dim, groups)
+    weight = parts.embed.weight
+    unsupported = fused_attention_unsupported(weight.device, parts.head_dim, groups, weight.dtype)
     if wanted and unsupported is not None:
         raise GRPOPluginsError(f"generator 'static': fused_attention cannot run here: {unsupported}; set fused_attention: false")
     return unsupported is None if wanted is None else wanted

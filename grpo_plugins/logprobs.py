@@ -64,9 +64,9 @@ def left_aligned(input_ids: Tensor, attention_mask: Tensor, completion_width: in
 def _mask_free_attention_pays(model: Any, input_ids: Tensor) -> bool:
     """Whether the decoder should run without a padding mask: on a GPU in 16-bit, attention
     without a mask runs in the flash kernel (causal, grouped-query heads native; with a mask:
-    the memory-efficient kernel, which computes the whole causal square). In float32 on a GPU no fused
-    kernel takes grouped-query heads without a mask, so the mask stays; so it does on GPUs older
-    than Ampere (no flash kernel)."""
+    the memory-efficient kernel, which computes the whole causal square). In float32 on a GPU
+    no fused kernel takes grouped-query heads without a mask, so the mask stays; so it does on
+    GPUs older than Ampere (no flash kernel)."""
     if input_ids.device.type != "cuda":
         return True  # the same kernels either way; one path, tested on the CPU
     if torch.cuda.get_device_capability(input_ids.device)[0] < 8:
@@ -215,7 +215,8 @@ def _completion_logps_unwrapped(
         # A left-padded prompt and a right-padded completion, moved to the row's start, need no
         # padding mask: causal attention over the prefix reads real tokens only, and what the
         # trailing padding computes is never read. Same positions, same results.
-        aligned = left_aligned(input_ids, attention_mask, logits_to_keep) if _mask_free_attention_pays(model, input_ids) else None
+        if _mask_free_attention_pays(model, input_ids):
+            aligned = left_aligned(input_ids, attention_mask, logits_to_keep)
         if aligned is None:
             ids, att, positions = input_ids, attention_mask, position_ids_from_mask(attention_mask)
         else:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import base_model
+from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_mm
 from grpo_plugins.multimodal import placeholder_token_ids
 
 #: model_type values whose decoder layers this loop reproduces exactly.
@@ -182,6 +183,8 @@ class FusedLinear(torch.nn.Module):
     ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
     quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
     the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
+    Decode batches (at most 128 rows) on a GPU with Triton go through a kernel made for few rows
+    (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through ``_scaled_mm``.
     """
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
@@ -191,6 +194,7 @@ class FusedLinear(torch.nn.Module):
         self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
         self.sources = list(sources)  # a plain list: not submodules of this view
         self.fp8 = fp8
+        self.rows_kernel = fp8 and fp8_kernel_unsupported(w0.device) is None
         shape = (sum(self.sizes), w0.shape[1])
         self.register_buffer("weight", torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else w0.dtype, device=w0.device))
         self.register_buffer("scale", torch.ones(1, shape[0], dtype=torch.float32, device=w0.device) if fp8 else None)
@@ -229,7 +233,10 @@ class FusedLinear(torch.nn.Module):
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
         x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
+        if self.rows_kernel and x8.shape[0] <= FP8_KERNEL_ROWS:
+            y = fp8_rows_mm(x8, scale, self.weight, self.scale, x.dtype)
+        else:
+            y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
         if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

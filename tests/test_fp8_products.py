@@ -1,0 +1,109 @@
+"""The float8 decode kernel: run by Triton's interpreter on the CPU it computes what
+``torch._scaled_mm`` with row-wise scales computes, for every way it splits the product; a
+float8 projection sends decode batches through it and longer inputs through ``_scaled_mm``;
+its launch plan keeps every SM of a large GPU busy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_plugins.generators.fp8_products import fp8_kernel_unsupported, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _interpret(script: str) -> None:
+    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+KERNEL_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from grpo_plugins.generators.fp8_products import run_kernel
+from grpo_plugins.generators.static_layers import quantize_rows
+torch.manual_seed(0)
+cases = [
+    (5, 96, 256, {}),                                  # fewer rows than a tile, N not a multiple of 64
+    (64, 256, 512, {"split": 2}),                      # a decode batch, K split in two
+    (3, 64, 200, {"block_n": 64, "block_k": 64}),      # K not a multiple of the block
+    (17, 128, 640, {"split": 4, "block_k": 64}),       # the last split shorter than the others
+    (128, 64, 128, {}),                                # the most rows the kernel takes
+]
+for M, N, K, config in cases:
+    x = torch.randn(M, K) * torch.logspace(-2, 2, M)[:, None]  # rows of very different sizes
+    w = torch.randn(N, K) * 0.02
+    x8, xs = quantize_rows(x)
+    w8, ws = quantize_rows(w)
+    ws = ws.reshape(1, -1)
+    want = (x8.float() @ w8.float().t()) * xs * ws  # _scaled_mm's function with row-wise scales
+    got = run_kernel(x8, xs, w8, ws, torch.float32, config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    # A 16-bit result is the float32 one rounded once.
+    low = run_kernel(x8, xs, w8, ws, torch.bfloat16, config)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), got.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6 * float(want.abs().max()))
+try:
+    run_kernel(torch.zeros(129, 32).to(torch.float8_e4m3fn), torch.ones(129, 1), w8[:, :32], ws, torch.float32)
+except ValueError as e:
+    assert "128 rows" in str(e)
+else:
+    raise AssertionError("129 rows were accepted")
+print("ok")
+"""
+
+
+def test_the_kernel_computes_the_row_scaled_float8_product() -> None:
+    _interpret(KERNEL_CHECK)
+
+
+PROJECTION_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import grpo_plugins.generators.static_layers as layers
+from grpo_plugins.generators.fp8_products import run_kernel
+from grpo_plugins.generators.static_layers import FusedLinear
+torch.manual_seed(0)
+q, k = torch.nn.Linear(64, 48, bias=True), torch.nn.Linear(64, 16, bias=False)
+fp8 = FusedLinear([q, k], fp8=True)
+assert fp8.rows_kernel is False  # no CUDA here: torch's product
+calls = []
+layers.fp8_rows_mm = lambda *a: calls.append(a[0].shape[0]) or run_kernel(*a)
+decode, prefill = torch.randn(6, 1, 64), torch.randn(2, 80, 64)  # 6 rows; 160 rows
+want_decode, want_prefill = fp8(decode), fp8(prefill)
+fp8.rows_kernel = True  # as on a GPU with Triton
+got_decode, got_prefill = fp8(decode), fp8(prefill)
+assert calls == [6], calls  # the decode batch went through the kernel, the prefill did not
+torch.testing.assert_close(got_decode, want_decode, rtol=1e-5, atol=1e-5)
+assert torch.equal(got_prefill, want_prefill)
+print("ok")
+"""
+
+
+def test_float8_projections_send_decode_batches_through_the_kernel() -> None:
+    _interpret(PROJECTION_CHECK)
+
+
+def test_the_plan_gives_every_sm_a_program_at_7b_and_1_5b() -> None:
+    sms = 132  # an H100/H200
+    for N, K in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (2048, 1536), (17920, 1536), (1536, 8960)]:
+        p = plan(64, N, K, sms)
+        programs = -(-N // p["block_n"]) * p["split"]
+        blocks_per_split = K // (p["block_k"] * p["split"])
+        assert programs >= sms or blocks_per_split < 8, (N, K, p)
+        assert blocks_per_split >= 4, (N, K, p)  # each program streams a run of K, not one block
+    assert plan(64, 37888, 3584, sms)["split"] == 1  # 296 tiles of 128 rows: no split needed
+
+
+def test_the_kernel_says_where_it_cannot_run() -> None:
+    assert "CUDA" in fp8_kernel_unsupported(torch.device("cpu"))

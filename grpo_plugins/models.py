@@ -189,6 +189,7 @@ def load_model(
     activation_offload: bool = False,
     quantization_bits: int | None = None,
     train_vision_tower: bool = False,
+    load_in_fp8: bool = False,
 ) -> tuple[PreTrainedModel, Any]:
     """Load a causal LM and its tokenizer, or a vision-language model (its config has a
     ``vision_config``) and its processor, ready for training.
@@ -210,6 +211,8 @@ def load_model(
             LoRA is applied (QLoRA; :mod:`grpo_plugins.quantization`).
         train_vision_tower: a vision-language model's vision encoder and projector train too
             (else they are frozen, and LoRA leaves them out).
+        load_in_fp8: with ``lora``, the frozen linear layers multiply in float8
+            (:mod:`grpo_plugins.fp8_base`), quantised on ``device`` (or the CPU).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -263,6 +266,10 @@ def load_model(
             net = apply_lora(net, lora, train_vision_tower)
         elif vision and not train_vision_tower:
             vision_models.freeze_vision(net)
+    if load_in_fp8:
+        from grpo_plugins.fp8_base import use_float8_base
+
+        use_float8_base(net)
     if gradient_checkpointing:
         enable_gradient_checkpointing(net, offload=activation_offload)
     return net, tokenizer
@@ -343,6 +350,7 @@ def load_model_and_tokenizer(config: GRPOConfig, device: Any = None) -> tuple[An
         activation_offload=config.activation_offload,
         quantization_bits=config.quantization_bits,
         train_vision_tower=config.train_vision_tower,
+        load_in_fp8=config.load_in_fp8,
     )
 
 
@@ -358,7 +366,8 @@ def policy_and_tokenizer(
 
     bits = config.quantization_bits
     if model is None:
-        model, loaded = load_model_and_tokenizer(config, device=device if bits is not None else None)
+        quantises = bits is not None or config.load_in_fp8
+        model, loaded = load_model_and_tokenizer(config, device=device if quantises else None)
         return (model, *split_processor(loaded))
     tokenizer, processor = split_processor(tokenizer)
     tokenizer = prepare_tokenizer(tokenizer)
@@ -380,6 +389,10 @@ def policy_and_tokenizer(
         model = apply_lora(model, config.lora, config.train_vision_tower)
     elif config.lora is None and is_vision_model(model) and not config.train_vision_tower:
         freeze_vision(model)
+    if config.load_in_fp8:
+        from grpo_plugins.fp8_base import use_float8_base
+
+        use_float8_base(model)
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model, offload=config.activation_offload)
     return model, tokenizer, processor

@@ -105,6 +105,7 @@ class StaticCacheGenerator(Generator):
         self._other_decoders: dict[str, StaticDecoder] = {}  # by sampling settings
 
     def setup(self, model: Any, tokenizer: Any, sampling: SamplingSettings) -> None:
+        from grpo_plugins.fp8_base import has_float8_base
         from grpo_plugins.generators.static_decode import UnsupportedModelError
         from grpo_plugins.models import prepare_tokenizer
 
@@ -118,6 +119,9 @@ class StaticCacheGenerator(Generator):
             if not self.params.fallback:
                 raise
             self._use_fallback(str(exc))
+        # Merged copies of a float8 base (load_in_fp8) do not quantise their inputs as its layers do.
+        merged_float8 = self._decoder is not None and self._decoder.merge_weights and has_float8_base(model)
+        self.samples_from_policy = not self.params.fp8 and not merged_float8
 
     def _make_decoder(self, sampling: SamplingSettings) -> StaticDecoder:
         import torch

@@ -32,6 +32,7 @@ import torch
 
 from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.fp8_base import float8_unsupported
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.decode_attention import use_fused_attention
 from grpo_plugins.generators.static_layers import (
@@ -40,7 +41,6 @@ from grpo_plugins.generators.static_layers import (
     MergedLayer,
     UnsupportedModelError,
     check_supported,
-    fp8_supported,
     fused_copy_is_small,
     has_lora,
     merged_layers_supported,
@@ -233,7 +233,7 @@ class StaticDecoder:
             if merge_weights is False:
                 raise GRPOPluginsError("generator 'static': fp8 decodes from merged weight copies; drop merge_weights: false")
             merge_weights = True
-            unsupported = fp8_supported(self.parts.embed.weight.device)
+            unsupported = float8_unsupported(self.parts.embed.weight.device)
             if unsupported is not None:
                 raise GRPOPluginsError(f"generator 'static': fp8 cannot run here: {unsupported}; set fp8: false")
         if merge_weights is None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.fp8_base import Float8Linear, quantize_rows
 from grpo_plugins.generators.common import base_model
 from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_product
 from grpo_plugins.multimodal import placeholder_token_ids
@@ -138,11 +139,11 @@ def _is_lora(module: Any) -> bool:
 
 def _mergeable(module: Any) -> bool:
     """Whether ``module`` is a plain or peft LoRA linear layer whose weight is an ordinary
-    floating-point tensor (not quantised) and whose LoRA delta is exactly ``get_delta_weight``
-    (no DoRA, no LoRA bias)."""
+    floating-point tensor (not quantised by bitsandbytes; a float8 base gives its dequantised
+    weight) and whose LoRA delta is exactly ``get_delta_weight`` (no DoRA, no LoRA bias)."""
     base = module.get_base_layer() if _is_lora(module) else module
     weight = getattr(base, "weight", None)
-    if not isinstance(base, torch.nn.Linear) or weight is None or not weight.is_floating_point():
+    if not isinstance(base, (torch.nn.Linear, Float8Linear)) or weight is None or not weight.is_floating_point():
         return False
     if type(weight) not in (torch.nn.Parameter, torch.Tensor):  # e.g. bitsandbytes' Params4bit
         return False
@@ -151,27 +152,6 @@ def _mergeable(module: Any) -> bool:
             if module.use_dora.get(name, False) or getattr(module, "lora_bias", {}).get(name, False):
                 return False
     return True
-
-
-#: The largest magnitude float8 e4m3 represents.
-FP8_MAX = 448.0
-
-
-def fp8_supported(device: torch.device) -> str | None:
-    """None if float8 matrix products (``torch._scaled_mm`` with row-wise scales) run on
-    ``device``; else why not."""
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-        return f"torch {torch.__version__} has no float8 matrix product"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        return f"{name} has no float8 tensor cores (Ada or Hopper, compute capability 8.9+, needed)"
-    return None
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (M, K) as float8 e4m3 with one float32 scale per row: ``(x8, scale)``, ``x ~= x8 * scale``."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 class FusedLinear(torch.nn.Module):

@@ -23,7 +23,9 @@
 #   lengths      the training pass on completions of varied length, padded and grouped by length
 #                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
 #   candidates   speed candidates awaiting a decision: fused copies for full fine-tuning in a whole
-#                step, the 7B training pass (profile, pass sizes)
+#                step, the 7B training pass (profile, pass sizes), the 7B step on a float8 base
+#   fp8-learning the GPU example over 3 seeds in bf16, with float8 decoding and on a float8 base:
+#                learning curves side by side (compare_examples.py)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
 #                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
@@ -44,8 +46,8 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates vlm release all"
+[ $# -gt 0 ] || { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates fp8-learning vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
 done
@@ -150,6 +152,24 @@ phase_candidates() {
   run candidates/train-7b "$PY" bench/profile_step.py --shape qwen2.5-7b --lora 16 --tokens 1024 --steps 1 --warmup 1 --profile \
     --train-chunk-rows 8 --overrides "{$lora}"
   run candidates/pass-7b "$PY" "${b7[@]}" --ours-variants "{\" rows8\": {$lora, \"train_chunk_rows\": 8}, \" pass16384\": {$lora, \"train_pass_tokens\": 16384}}"
+  local fp8='"generator": {"name": "static", "params": {"fp8": true}}'
+  run candidates/fp8-base-7b "$PY" "${b7[@]}" --ours-variants \
+    "{\" fast+fp8\": {$lora, \"train_chunk_rows\": 8, $fp8}, \" fast+fp8+base\": {$lora, \"train_chunk_rows\": 8, $fp8, \"load_in_fp8\": true}}"
+}
+
+# Does float8 learn as bf16 does? The GPU example, 3 seeds each: bf16, float8 decoding, float8 base + decoding.
+phase_fp8_learning() {
+  local d=$OUT_ROOT/fp8-learning seed
+  for seed in 1 2 3; do
+    run "fp8-learning/bf16-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --name "bf16-s$seed"
+    run "fp8-learning/fp8-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --set 'generator={name: static, params: {fp8: true}}' --name "fp8-s$seed"
+    run "fp8-learning/fp8base-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --set 'generator={name: static, params: {fp8: true}}' --set load_in_fp8=true \
+      --name "fp8base-s$seed"
+  done
+  "$PY" bench/compare_examples.py "$d" | tee "$d/curves.txt"
 }
 
 phase_vllm() {
@@ -268,12 +288,13 @@ phase_release() {
 for phase in "$@"; do
   case $phase in
     setup|trl|step|generator|decode|memory|unsloth|long|example|nonfinite|lengths|candidates|vlm|release) "phase_$phase" ;;
+    fp8-learning) phase_fp8_learning ;;
     trl-vllm) if have_vllm; then phase_trl_vllm; else echo "=== trl-vllm: skipped (vLLM is not installed)"; fi ;;
     vllm) if have_vllm; then phase_vllm; else echo "=== vllm: skipped (vLLM is not installed)"; fi ;;
     all)
       phase_setup; phase_trl; phase_step; phase_generator; phase_decode; phase_memory; phase_unsloth
       if have_vllm; then phase_trl_vllm; phase_vllm; else echo "=== trl-vllm, vllm: skipped (vLLM is not installed)"; fi
-      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_candidates; phase_vlm; phase_release ;;
+      phase_long; phase_example; phase_nonfinite; phase_lengths; phase_candidates; phase_fp8_learning; phase_vlm; phase_release ;;
   esac
 done
 echo "=== results in $OUT_ROOT"

@@ -23,7 +23,8 @@
 #   lengths      the training pass on completions of varied length, padded and grouped by length
 #                (bench_lengths.py: 7B LoRA and 0.5B full fine-tuning, 64 x 1024)
 #   candidates   speed candidates awaiting a decision: fused copies for full fine-tuning in a whole
-#                step, the 7B training pass (profile, pass sizes), the 7B step on a float8 base
+#                step, the 7B training pass (profile, pass sizes, cuDNN attention), the 7B step on a
+#                float8 base
 #   fp8-learning the GPU example over 3 seeds in bf16, with float8 decoding and on a float8 base:
 #                learning curves side by side (compare_examples.py)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
@@ -46,7 +47,7 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates fp8-learning vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
@@ -152,6 +153,9 @@ phase_candidates() {
   run candidates/train-7b "$PY" bench/profile_step.py --shape qwen2.5-7b --lora 16 --tokens 1024 --steps 1 --warmup 1 --profile \
     --train-chunk-rows 8 --overrides "{$lora}"
   run candidates/pass-7b "$PY" "${b7[@]}" --ours-variants "{\" rows8\": {$lora, \"train_chunk_rows\": 8}, \" pass16384\": {$lora, \"train_pass_tokens\": 16384}}"
+  # cuDNN attention in the mask-free training passes (its own compile cache: the attention kernel is traced in)
+  run candidates/cudnn-7b env GRPO_PLUGINS_COMPILE_CACHE="$OUT_ROOT/candidates/cudnn-compile-cache" "$PY" bench/profile_step.py \
+    --shape qwen2.5-7b --lora 16 --tokens 1024 --steps 1 --warmup 1 --profile --train-chunk-rows 8 --overrides "{$lora}" --cudnn-attention
   local fp8='"generator": {"name": "static", "params": {"fp8": true}}'
   run candidates/fp8-base-7b "$PY" "${b7[@]}" --ours-variants \
     "{\" fast+fp8\": {$lora, \"train_chunk_rows\": 8, $fp8}, \" fast+fp8+base\": {$lora, \"train_chunk_rows\": 8, $fp8, \"load_in_fp8\": true}}"

@@ -125,7 +125,25 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     parser.add_argument("--overrides", default="{}", help='JSON config overrides, e.g. \'{"gradient_checkpointing": false}\'')
     parser.add_argument("--optimizer-impl", choices=["engine", "foreach"], default="engine", help="foreach: force AdamW's multi-tensor path")
+    parser.add_argument(
+        "--cudnn-attention", action="store_true",
+        help="let the training passes use cuDNN's attention first (a candidate: the passes without a padding mask "
+        "have no query row that attends to nothing, which is what its NaN needs)",
+    )
     args = parser.parse_args()
+    if args.cudnn_attention:
+        import contextlib
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        import grpo_plugins.attention as attention
+
+        @contextlib.contextmanager
+        def cudnn_first() -> Any:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, *attention.TRAINING_SDPA_BACKENDS], set_priority=True):
+                yield
+
+        attention.training_attention = cudnn_first  # read by training_passes at each call
     common.ACTIVE_SHAPE = args.shape
     bench_grpo.LORA_R = args.lora
     if args.optimizer_impl == "foreach":

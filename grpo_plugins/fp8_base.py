@@ -94,19 +94,22 @@ class Float8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = weight.dtype
         w8, scale = quantize_rows(weight)
-        self.register_buffer("weight8", w8)  # (N, K)
-        self.register_buffer("weight8_t", w8.t().contiguous())  # (K, N), for the backward product
+        # The float8 bits are held as uint8: collectives (DDP's buffer broadcast under gloo)
+        # refuse float8 tensors, and every process builds the same weights anyway.
+        self.register_buffer("weight8", w8.view(torch.uint8))  # (N, K)
+        self.register_buffer("weight8_t", w8.t().contiguous().view(torch.uint8))  # (K, N), for the backward product
         self.register_buffer("scale", scale.reshape(1, -1))  # (1, N)
         self.register_buffer("ones", torch.ones(1, self.in_features, dtype=torch.float32, device=weight.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     @property
     def weight(self) -> torch.Tensor:
-        return (self.weight8.float() * self.scale.t()).to(self.dtype)
+        return (self.weight8.view(torch.float8_e4m3fn).float() * self.scale.t()).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return _Float8Product.apply(x, self.weight8, self.weight8_t, self.scale, self.ones, bias)
+        w8, w8_t = self.weight8.view(torch.float8_e4m3fn), self.weight8_t.view(torch.float8_e4m3fn)
+        return _Float8Product.apply(x, w8, w8_t, self.scale, self.ones, bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, float8 e4m3"

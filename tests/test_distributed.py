@@ -204,6 +204,29 @@ def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model:
         torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_two_processes_train_lora_on_a_float8_base(tiny_model: dict, tmp_path: Path) -> None:
+    """DDP over a float8 base (``load_in_fp8``): the processes start in step (its buffers pass
+    DDP's broadcast) and train like one process, up to float8's rounding of slightly different
+    float sums (a value near a rounding edge can round the other way)."""
+    from grpo_plugins.metrics import read_metrics
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    changes = {"lora": {"r": 4, "target_modules": "all-linear"}, "load_in_fp8": True, "beta": 0.0}
+    (tmp_path / "one.json").write_text(json.dumps({**_config(tiny_model, one, per_device=8), **changes}))
+    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
+    for command in ([sys.executable, __file__, str(tmp_path / "one.json")],
+                    [*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")]):
+        run = subprocess.run(command, env=_env(), capture_output=True, timeout=300)
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert len(m1) == len(m2) == 4
+    assert m2[0]["loss"] == pytest.approx(m1[0]["loss"], rel=1e-4, abs=1e-6)  # the same start
+    for r1, r2 in zip(m1, m2):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=0.02, abs=1e-3)
+        assert r2["reward"] == r1["reward"]
+
+
 if __name__ == "__main__":  # a training process: CONFIG.json
     from grpo_plugins.engine import Engine
     from grpo_plugins.registry import get_registry

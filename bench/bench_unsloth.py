@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-rows", type=int, default=0, help="rows per forward+backward (default: --rows, one micro-batch)")
     parser.add_argument("--load-in-4bit", action="store_true")
+    parser.add_argument(
+        "--load-in-fp8", action="store_true",
+        help="Unsloth's float8 path (load_in_fp8=True: float8 weights through TorchAO; needs torchao, and vLLM with --fast-inference)",
+    )
     parser.add_argument("--model-dir", default=None, help="an absolute folder for the random model: reused when it holds one")
     parser.add_argument("--save-only", action="store_true", help="build and save the model to --model-dir, then stop")
     parser.add_argument("--fast-inference", action="store_true", help="generate with Unsloth's vLLM engine (fast_inference=True)")
@@ -334,6 +338,7 @@ def run(args: argparse.Namespace, result: dict[str, Any], out_path: Path | None)
         model_name=folder, max_seq_length=1024 + args.tokens, dtype=torch.bfloat16,
         load_in_4bit=args.load_in_4bit, fast_inference=args.fast_inference, max_lora_rank=args.lora,
         **({"gpu_memory_utilization": args.gpu_memory_utilization} if args.fast_inference else {}),
+        **({"load_in_fp8": True} if args.load_in_fp8 else {}),
     )
     signal.signal(signal.SIGTERM, _stop)
     result["after_load"] = memory_now()
@@ -503,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "framework": "unsloth-fast-inference" if args.fast_inference else "unsloth", "pid": os.getpid(),
         "fast_inference": args.fast_inference, "shape": args.shape, "lora": args.lora, "tokens": args.tokens,
         "rows": args.rows, "micro_rows": args.micro_rows or args.rows, "load_in_4bit": args.load_in_4bit,
+        "load_in_fp8": args.load_in_fp8,
         "steps": args.steps, "warmup": args.warmup, "match_ours": args.match_ours,
         "gpu_memory_utilization": args.gpu_memory_utilization if args.fast_inference else None,
         "argv": sys.argv[1:] if argv is None else argv, "stage": None,

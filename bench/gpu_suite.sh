@@ -25,8 +25,8 @@
 #   candidates   speed candidates awaiting a decision: fused copies for full fine-tuning in a whole
 #                step, the 7B training pass (profile, pass sizes, cuDNN attention), the 7B step on a
 #                float8 base
-#   fp8-learning the GPU example over 3 seeds in bf16, with float8 decoding and on a float8 base:
-#                learning curves side by side (compare_examples.py)
+#   fp8-learning the GPU example over 3 seeds (FP8_SEEDS) in bf16, with float8 decoding and on a
+#                float8 base: learning curves side by side (compare_examples.py)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
 #                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
@@ -41,13 +41,14 @@
 #   LONG_DEADLINE   seconds after which the `long` phase stops what still runs (default 1400)
 #   OURS_LONG       profile_memory.py variants of the `long` phase, run one after another
 #                   (default "long-lean8 qlora-long8 long-lean qlora-long")
+#   FP8_SEEDS       the seeds of the fp8-learning phase (default "1 2 3")
 # Output: DIR (default outputs/bench/DATE-COMMIT), one folder per phase with each script's JSON and log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates fp8-learning vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
@@ -161,17 +162,23 @@ phase_candidates() {
     "{\" fast+fp8\": {$lora, \"train_chunk_rows\": 8, $fp8}, \" fast+fp8+base\": {$lora, \"train_chunk_rows\": 8, $fp8, \"load_in_fp8\": true}}"
 }
 
-# Does float8 learn as bf16 does? The GPU example, 3 seeds each: bf16, float8 decoding, float8 base + decoding.
+# Does float8 learn as bf16 does? The GPU example per seed (FP8_SEEDS, default "1 2 3") in bf16, with
+# float8 decoding, and on a float8 base with float8 decoding; a seed's three runs share the GPU at
+# once (their curves are valid, their seconds are shared).
 phase_fp8_learning() {
-  local d=$OUT_ROOT/fp8-learning seed
-  for seed in 1 2 3; do
-    run "fp8-learning/bf16-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --name "bf16-s$seed"
-    run "fp8-learning/fp8-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --set 'generator={name: static, params: {fp8: true}}' --name "fp8-s$seed"
-    run "fp8-learning/fp8base-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 600 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --set 'generator={name: static, params: {fp8: true}}' --set load_in_fp8=true \
-      --name "fp8base-s$seed"
+  local d=$OUT_ROOT/fp8-learning seed setting
+  local fp8='generator={name: static, params: {fp8: true}}'
+  for seed in ${FP8_SEEDS:-1 2 3}; do
+    run "fp8-learning/bf16-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --name "bf16-s$seed" &
+    run "fp8-learning/fp8-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --set "$fp8" --name "fp8-s$seed" &
+    run "fp8-learning/fp8base-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
+      --set save_steps=1000 --set seed=$seed --set "$fp8" --set load_in_fp8=true --name "fp8base-s$seed" &
+    wait
+    for setting in bf16 fp8 fp8base; do  # run's failure list does not survive the background jobs
+      [ -f "$d/$setting-s$seed/example-$setting-s$seed.json" ] || FAILED+=("fp8-learning/$setting-s$seed")
+    done
   done
   "$PY" bench/compare_examples.py "$d" | tee "$d/curves.txt"
 }

@@ -117,8 +117,9 @@ class Float8Linear(torch.nn.Module):
 
 def float8_base(model: Any) -> int:
     """Replace every frozen ``torch.nn.Linear`` of ``model`` (a peft LoRA model: its base layers
-    and any linear layer without an adapter) except the LM head by a :class:`Float8Linear` on the
-    same device; returns how many were replaced. Layers already replaced are kept."""
+    and any linear layer without an adapter) except the LM head, whose sizes are multiples of 16,
+    by a :class:`Float8Linear` on the same device; returns how many were replaced. Layers already
+    replaced are kept."""
     targets = [
         name
         for name, module in model.named_modules()
@@ -126,6 +127,9 @@ def float8_base(model: Any) -> int:
         and not module.weight.requires_grad
         and name.rsplit(".", 1)[-1] not in SKIP_MODULES
         and ".lora_" not in f".{name}"
+        # Float8 products take sizes that are multiples of 16 (cuBLASLt); other layers stay 16-bit.
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
     ]
     for name in targets:
         parent_name, _, child = name.rpartition(".")

@@ -53,6 +53,12 @@ def test_float8_base_replaces_the_frozen_layers_of_a_lora_model_but_not_the_head
     assert float8_base(model) == 0 and has_float8_base(model)  # a second call changes nothing
 
 
+def test_layers_whose_sizes_float8_products_refuse_stay_16_bit() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 24), torch.nn.Linear(24, 32)).requires_grad_(False)
+    assert float8_base(net) == 1  # 24 is not a multiple of 16 (cuBLASLt's rule for float8 products)
+    assert isinstance(net[0], Float8Linear) and type(net[1]) is type(net[2]) is torch.nn.Linear
+
+
 def test_lora_gradients_through_a_float8_base_are_close_to_the_16_bit_ones(tiny_qwen2: dict) -> None:
     lora = {"r": 4, "target_modules": "all-linear"}
     exact, _ = load_model(tiny_qwen2, dtype="float32", lora=lora, seed=0)

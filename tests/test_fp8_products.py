@@ -124,3 +124,43 @@ def test_the_plan_keeps_the_sms_busy_at_7b_and_1_5b() -> None:
 
 def test_the_kernel_says_where_it_cannot_run() -> None:
     assert "CUDA" in fp8_kernel_unsupported(torch.device("cpu"))
+
+
+DECODE_CHECK = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+import grpo_plugins.generators.static_layers as layers
+from grpo_plugins.generators.static_decode import StaticDecoder
+from grpo_plugins.kinds import SamplingSettings
+from grpo_plugins.models import load_model
+from grpo_plugins.testing.tiny import tiny_model_spec
+
+spec = tiny_model_spec(Path(sys.argv[2]), "qwen2")
+model, _ = load_model(spec, dtype="float32", lora={"r": 4, "target_modules": "all-linear"}, seed=0)
+prompts = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 5, 6, 7, 8], [1, 40]]
+sampling = SamplingSettings(max_completion_length=12, temperature=0.8)
+results, calls = [], []
+real = layers.fp8_rows_product
+layers.fp8_rows_product = lambda *a: calls.append(1) or real(*a)
+for kernel in (False, True):
+    layers.fp8_kernel_unsupported = lambda device, kernel=kernel: None if kernel else "off"  # as on a GPU with Triton
+    dec = StaticDecoder(model.eval(), sampling, [2], 0, prompt_multiple=8, fp8=True, compile=False)
+    torch.manual_seed(3)
+    results.append(dec.generate(prompts))
+(ids0, mask0, _, logps0), (ids1, mask1, _, logps1) = results
+assert calls, "the kernel never ran"
+assert torch.equal(ids0, ids1) and torch.equal(mask0, mask1)
+torch.testing.assert_close(logps1, logps0, rtol=0, atol=1e-5)
+print("ok")
+"""
+
+
+def test_a_float8_decode_through_the_kernel_samples_what_scaled_mm_samples(tmp_path: Path) -> None:
+    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", DECODE_CHECK, str(ROOT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]

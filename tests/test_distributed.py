@@ -182,6 +182,19 @@ def test_two_processes_match_one_with_dynamic_sampling(tiny_model: dict, tmp_pat
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-6), key
 
 
+def _one_and_two(tiny_model: dict, tmp_path: Path, changes: dict[str, Any]) -> tuple[Path, Path]:
+    """The config with ``changes`` trained by one process of 8 rows and by two (torchrun) of 4;
+    their output folders."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    (tmp_path / "one.json").write_text(json.dumps({**_config(tiny_model, one, per_device=8), **changes}))
+    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
+    for command in ([sys.executable, __file__, str(tmp_path / "one.json")],
+                    [*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")]):
+        run = subprocess.run(command, env=_env(), capture_output=True, timeout=300)
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+    return one, two
+
+
 @pytest.mark.slow
 def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model: dict, tmp_path: Path) -> None:
     """One micro-step = the same 8 rows on one process and 4 + 4 on two; the top-entropy
@@ -190,14 +203,7 @@ def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model:
 
     import torch
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    changes = {"gradient_accumulation_steps": 1, "steps_per_generation": 1, "top_entropy_quantile": 0.5}
-    (tmp_path / "one.json").write_text(json.dumps({**_config(tiny_model, one, per_device=8), **changes}))
-    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
-    for command in ([sys.executable, __file__, str(tmp_path / "one.json")],
-                    [*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")]):
-        run = subprocess.run(command, env=_env(), capture_output=True, timeout=300)
-        assert run.returncode == 0, run.stderr.decode()[-3000:]
+    one, two = _one_and_two(tiny_model, tmp_path, {"gradient_accumulation_steps": 1, "steps_per_generation": 1, "top_entropy_quantile": 0.5})
     w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
     w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
     for key in w1:
@@ -211,14 +217,7 @@ def test_two_processes_train_lora_on_a_float8_base(tiny_model: dict, tmp_path: P
     float sums (a value near a rounding edge can round the other way)."""
     from grpo_plugins.metrics import read_metrics
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    changes = {"lora": {"r": 4, "target_modules": "all-linear"}, "load_in_fp8": True, "beta": 0.0}
-    (tmp_path / "one.json").write_text(json.dumps({**_config(tiny_model, one, per_device=8), **changes}))
-    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
-    for command in ([sys.executable, __file__, str(tmp_path / "one.json")],
-                    [*LAUNCHERS["torchrun"], __file__, str(tmp_path / "two.json")]):
-        run = subprocess.run(command, env=_env(), capture_output=True, timeout=300)
-        assert run.returncode == 0, run.stderr.decode()[-3000:]
+    one, two = _one_and_two(tiny_model, tmp_path, {"lora": {"r": 4, "target_modules": "all-linear"}, "load_in_fp8": True, "beta": 0.0})
     m1, m2 = read_metrics(one), read_metrics(two)
     assert len(m1) == len(m2) == 4
     assert m2[0]["loss"] == pytest.approx(m1[0]["loss"], rel=1e-4, abs=1e-6)  # the same start

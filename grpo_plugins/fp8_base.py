@@ -32,7 +32,16 @@ from grpo_plugins.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FP8_MAX", "Float8Linear", "float8_base", "float8_layer_count", "float8_unsupported", "has_float8_base", "quantize_rows", "use_float8_base"]
+__all__ = [
+    "FP8_MAX",
+    "Float8Linear",
+    "float8_base",
+    "float8_layer_count",
+    "float8_unsupported",
+    "has_float8_base",
+    "quantize_rows",
+    "use_float8_base",
+]
 
 #: Linear layers that stay as they are: the LM head (its logits feed the log-softmax).
 SKIP_MODULES = ("lm_head",)

@@ -368,6 +368,11 @@ def _run_one(name: str, T: int, args: dict[str, Any], generator: dict[str, Any],
 
 
 def _child(queue: Any, *run: Any) -> None:
+    if sys.platform == "linux":  # die with the parent (a `timeout` that kills it must not leave a run on the GPU)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     queue.put(_run_one(*run))
 
 

@@ -83,14 +83,15 @@ def _sm_count(device_index: int) -> int:
 
 def plan(M: int, N: int, K: int, sms: int) -> dict[str, int]:
     """Launch settings for an (M, K) x (N, K)^T product on a GPU with ``sms`` multiprocessors,
-    from a sweep on an H200 (``bench/fp8_decode.py``): 128-row weight tiles only where there
-    are two per SM, deep K blocks for long rows, and K split only where few tiles meet long rows."""
+    from a sweep on an H200 (``bench/fp8_decode.py``, the sum promoted to float32 per K block):
+    128-row weight tiles where there are two per SM, 256-deep K blocks for very long rows, and
+    K split (at most 4 ways) until there are about two programs per SM."""
     if N // 128 >= 2 * sms:
-        return {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 8, "num_stages": 3}
-    block_k = 256 if K >= 3072 else 128
+        return {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 3}
+    block_k = 256 if K >= 8192 else 128
     tiles = -(-N // 64)
     split = 1
-    while tiles * split < sms // 2 and K // (block_k * split * 2) >= 8:
+    while split < 4 and tiles * split < 2 * sms and K // (block_k * split * 2) >= 3:
         split *= 2
     return {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
 

@@ -13,7 +13,15 @@ import torch
 
 from grpo_plugins.config import load_config
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.fp8_base import Float8Linear, float8_base, float8_layer_count, has_float8_base
+from grpo_plugins.fp8_base import (
+    FP8_MAX,
+    Float8Linear,
+    float8_base,
+    float8_layer_count,
+    has_float8_base,
+    quantize_rows,
+    round_stochastically,
+)
 from grpo_plugins.models import load_model
 
 
@@ -113,6 +121,73 @@ def test_the_static_generator_samples_the_policy_only_through_the_float8_layers(
     unmerged = StaticCacheGenerator(StaticCacheGenerator.Params(merge_weights=False))
     unmerged.setup(model, tokenizer, sampling)
     assert not merged.samples_from_policy and unmerged.samples_from_policy
+
+
+def test_stochastic_rounding_lands_on_a_bracketing_float8_value_and_is_exact_on_average() -> None:
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(200, generator=g) * 30, torch.randn(40, generator=g) * 1e-3, torch.tensor([0.0, 448.0, -448.0, 500.0, -3.0])])
+    draws = 4000
+    noise = torch.rand(draws, values.numel(), generator=g)
+    rounded = round_stochastically(values.expand(draws, -1), noise).float()  # (draws, n)
+    clamped = values.clamp(-FP8_MAX, FP8_MAX)
+    nearest = clamped.to(torch.float8_e4m3fn).float()
+    # every result is the nearest float8 value or the next one on the value's other side
+    low = torch.minimum(rounded.min(0).values, nearest)
+    high = torch.maximum(rounded.max(0).values, nearest)
+    assert bool(((low <= clamped) & (clamped <= high)).all())
+    assert int(rounded.unique(dim=0).shape[0]) > 1  # the noise decides
+    on_grid = clamped == nearest
+    assert bool((rounded[:, on_grid] == nearest[on_grid]).all())  # representable values stay
+    # exact on average (to the sampling error of 4000 draws), where nearest rounding is biased
+    spacing = (high - low).clamp(min=1e-12)
+    error = ((rounded.mean(0) - clamped) / spacing).abs()
+    assert float(error.max()) < 0.05
+    assert float(((nearest - clamped) / spacing).abs()[~on_grid].mean()) > 0.1
+
+
+def test_decode_copies_over_a_float8_base_keep_updates_below_the_grid_spacing() -> None:
+    from grpo_plugins.generators.static_layers import FusedLinear
+
+    torch.manual_seed(0)
+    base = Float8Linear(torch.nn.Linear(256, 96, bias=False).requires_grad_(False), noise_seed=3)
+    w8, scale = base.merged_float8(None)
+    assert torch.equal(w8.view(torch.uint8), base.weight8) and torch.equal(scale[:, 0], base.scale[0])  # the policy's own bits
+    # an update of a fifth of the grid's spacing, as early LoRA steps make
+    spacing = base.scale.t() * (base.weight8.view(torch.float8_e4m3fn).float().abs() / 8).clamp(min=2**-6)
+    delta = 0.2 * spacing * torch.randn(96, 256).sign()
+    delta[base.weight8.view(torch.float8_e4m3fn).float().abs() == FP8_MAX] = 0.0  # every row keeps its range
+    exact = base.weight8.view(torch.float8_e4m3fn).float() * base.scale.t() + delta
+    nearest8, nearest_scale = quantize_rows(exact)
+    w8, scale = base.merged_float8(delta)
+    def moved(q: torch.Tensor, s: torch.Tensor) -> float:  # how much of the update survives
+        change = q.float() * s - base.weight8.view(torch.float8_e4m3fn).float() * base.scale.t()
+        return float((change * delta).sum() / (delta * delta).sum())
+    assert abs(moved(w8, scale) - 1.0) < 0.15  # kept on average
+    assert abs(moved(nearest8, nearest_scale)) < 0.05  # rounding to nearest drops it
+    again, _ = base.merged_float8(delta)
+    assert torch.equal(again.view(torch.uint8), w8.view(torch.uint8))  # the same at every call
+    # an update that outgrows a row's range widens that row's grid
+    big = torch.zeros(96, 256)
+    big[5, 7] = float(base.weight.float().abs()[5].max()) * 3
+    w8, scale = base.merged_float8(big)
+    assert scale[5, 0] > base.scale[0, 5] * 2 and torch.equal(scale[6, 0], base.scale[0, 6])
+    assert not bool(w8.float().isnan().any())
+
+    class Lora(torch.nn.Module):  # what FusedLinear reads of a peft layer over the float8 base
+        def __init__(self) -> None:
+            super().__init__()
+            self.lora_A, self.active_adapters, self.disable_adapters, self.merged = {"a": None}, ["a"], False, False
+            self.use_dora, self.lora_bias = {}, {}
+
+        def get_base_layer(self) -> Float8Linear:
+            return base
+
+        def get_delta_weight(self, name: str) -> torch.Tensor:
+            return delta
+
+    copy = FusedLinear([Lora()], fp8=True)
+    w8, scale = base.merged_float8(delta)
+    assert torch.equal(copy.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(copy.scale[0], scale[:, 0])
 
 
 def test_the_float8_base_is_rebuilt_bit_for_bit(tiny_qwen2: dict) -> None:

@@ -193,15 +193,18 @@ class FusedLinear(torch.nn.Module):
                     if name in module.lora_A:
                         d = module.get_delta_weight(name).float()
                         delta = d if delta is None else delta + d
-            merged = base.weight if delta is None else base.weight.float() + delta
             if self.fp8:
-                # Rounded to the model's dtype first, as the 16-bit copy is: float8 then
-                # quantises exactly the weights the 16-bit decode would read.
-                weight8, scale = quantize_rows(merged.to(base.weight.dtype))
+                if isinstance(base, Float8Linear):  # kept on the base's own float8 grid
+                    weight8, scale = base.merged_float8(delta)
+                else:
+                    merged = base.weight if delta is None else base.weight.float() + delta
+                    # Rounded to the model's dtype first, as the 16-bit copy is: float8 then
+                    # quantises exactly the weights the 16-bit decode would read.
+                    weight8, scale = quantize_rows(merged.to(base.weight.dtype))
                 self.weight[row : row + n].copy_(weight8)
                 self.scale[0, row : row + n].copy_(scale[:, 0])
             else:
-                self.weight[row : row + n].copy_(merged)
+                self.weight[row : row + n].copy_(base.weight if delta is None else base.weight.float() + delta)
             if self.bias is not None:
                 if base.bias is None:
                     self.bias[row : row + n].zero_()

@@ -5,7 +5,10 @@ spread (smallest and largest seed).
 
     python bench/compare_examples.py outputs/bench/fp8-learning [--key rewards/correct_answer/mean]
 
-Two settings learn alike when each window's means lie within the other's seed spread.
+Two settings learn alike when each window's means lie within the other's seed spread. Where a run
+folder also holds ``eval-<setting>-s<seed>.json`` (``grpo-plugins eval --json`` of its last
+checkpoint), the held-out scores follow: the trained policies themselves, whatever sampled their
+training rollouts.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-_NAME = re.compile(r"example-(?P<setting>.+)-s(?P<seed>\d+)\.json$")
+_NAME = re.compile(r"(example|eval)-(?P<setting>.+)-s(?P<seed>\d+)\.json$")
 
 
-def load_runs(folder: Path) -> dict[str, dict[int, dict[str, Any]]]:
-    """setting -> seed -> summary, from every ``example-<setting>-s<seed>.json`` under ``folder``."""
+def load_runs(folder: Path, kind: str = "example") -> dict[str, dict[int, dict[str, Any]]]:
+    """setting -> seed -> summary, from every ``<kind>-<setting>-s<seed>.json`` under ``folder``
+    (``kind``: ``example`` for run_example.py's summaries, ``eval`` for evaluations)."""
     runs: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
-    for path in sorted(folder.rglob("example-*-s*.json")):
+    for path in sorted(folder.rglob(f"{kind}-*-s*.json")):
         match = _NAME.search(path.name)
         if match:
             runs[match["setting"]][int(match["seed"])] = json.loads(path.read_text())
@@ -52,6 +56,30 @@ def table(all_runs: dict[str, dict[int, dict[str, Any]]], key: str) -> str:
     return "\n".join(lines)
 
 
+def held_out(evals: dict[str, dict[int, dict[str, Any]]]) -> str:
+    """Per setting, the mean over seeds [lowest, highest seed] of the evaluations' weighted reward
+    (sampled and greedy) and of each reward's mean and greedy score."""
+
+    def cell(values: list[float]) -> str:
+        return f"{sum(values) / len(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+    lines = ["held-out evaluation of the last checkpoint: mean over seeds [lowest, highest seed]"]
+    for setting, runs in sorted(evals.items()):
+        parts = []
+        for label, key in (("reward", "reward"), ("greedy", "greedy_reward")):
+            values = [r[key] for r in runs.values() if r.get(key) is not None]
+            if values:
+                parts.append(f"{label} {cell(values)}")
+        names = [r["name"] for r in next(iter(runs.values())).get("rewards", [])]
+        for name in names:
+            for field in ("mean", "greedy"):
+                values = [x[field] for r in runs.values() for x in r.get("rewards", []) if x["name"] == name and x.get(field) is not None]
+                if values:
+                    parts.append(f"{name} {field} {cell(values)}")
+        lines.append(f"  {setting} (seeds {sorted(runs)}): " + "  ".join(parts))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
@@ -62,6 +90,9 @@ def main() -> None:
         raise SystemExit(f"no example-<setting>-s<seed>.json under {args.folder}")
     for key in args.key or ["reward", "rewards/correct_answer/mean"]:
         print(table(runs, key), flush=True)
+    evals = load_runs(args.folder, "eval")
+    if evals:
+        print(held_out(evals), flush=True)
 
 
 if __name__ == "__main__":

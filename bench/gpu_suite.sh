@@ -26,7 +26,8 @@
 #                step, the 7B training pass (profile, pass sizes, cuDNN attention), the 7B step on a
 #                float8 base
 #   fp8-learning the GPU example over 3 seeds (FP8_SEEDS) in bf16, with float8 decoding and on a
-#                float8 base: learning curves side by side (compare_examples.py)
+#                float8 base: learning curves side by side, and each trained policy's held-out
+#                evaluation (compare_examples.py)
 #   vlm          GRPO step on a vision-language model against TRL's GRPOTrainer (bench_vlm.py:
 #                Qwen2.5-VL-3B shape, 448 px pictures, LoRA r16 on the language model, 256 tokens)
 #   release      before a release: every generator x {full fine-tuning, LoRA} x {bf16, fp16} trains
@@ -176,8 +177,18 @@ phase_fp8_learning() {
     run "fp8-learning/fp8base-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
       --set save_steps=1000 --set seed=$seed --set "$fp8" --set load_in_fp8=true --name "fp8base-s$seed" &
     wait
+    # The trained policies themselves on the held-out prompts, each sampled from exactly (a float8
+    # base's through its own float8 layers), whatever sampled its training rollouts.
+    for setting in bf16 fp8 fp8base; do
+      local extra=()
+      [ "$setting" = fp8base ] && extra=(--set load_in_fp8=true --set "generator={name: static, params: {merge_weights: false}}")
+      "$PY" -m grpo_plugins.cli eval "$EXAMPLE" --checkpoint "${TMPDIR:-/tmp}/example-$setting-s$seed" --json \
+        --set seed=$seed "${extra[@]}" > "$d/$setting-s$seed/eval-$setting-s$seed.json" 2> "$d/$setting-s$seed/eval.log" &
+    done
+    wait
     for setting in bf16 fp8 fp8base; do  # run's failure list does not survive the background jobs
       [ -f "$d/$setting-s$seed/example-$setting-s$seed.json" ] || FAILED+=("fp8-learning/$setting-s$seed")
+      [ -s "$d/$setting-s$seed/eval-$setting-s$seed.json" ] || FAILED+=("fp8-learning/eval-$setting-s$seed")
     done
   done
   "$PY" bench/compare_examples.py "$d" | tee "$d/curves.txt"

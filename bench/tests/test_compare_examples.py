@@ -33,3 +33,18 @@ def test_curves_average_seeds_per_window_and_keep_the_spread(tmp_path: Path) -> 
     assert [w["mean"] for w in fp8] == [0.2, 0.4]
     text = compare_examples.table(runs, "reward")
     assert "bf16 (seeds [1, 2]): 1-30: 0.300 [0.200, 0.400]" in text and "fp8 (seeds [1])" in text
+
+
+def test_held_out_evaluations_are_averaged_per_setting(tmp_path: Path) -> None:
+    def evaluation(reward: float, greedy: float, correct: float) -> dict:
+        return {"reward": reward, "greedy_reward": greedy, "rewards": [{"name": "correct_answer", "mean": correct, "greedy": None}]}
+
+    (tmp_path / "eval-bf16-s1.json").write_text(json.dumps(evaluation(0.8, 0.9, 0.4)))
+    (tmp_path / "eval-bf16-s2.json").write_text(json.dumps(evaluation(0.6, 0.7, 0.2)))
+    (tmp_path / "example-bf16-s1.json").write_text(json.dumps(_summary([0.2], [0.1])))
+    evals = compare_examples.load_runs(tmp_path, "eval")
+    assert list(evals) == ["bf16"] and sorted(evals["bf16"]) == [1, 2]
+    assert list(compare_examples.load_runs(tmp_path)) == ["bf16"]  # the summaries, not the evaluations
+    text = compare_examples.held_out(evals)
+    assert "reward 0.700 [0.600, 0.800]" in text and "greedy 0.800 [0.700, 0.900]" in text
+    assert "correct_answer mean 0.300 [0.200, 0.400]" in text and "correct_answer greedy" not in text

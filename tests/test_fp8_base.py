@@ -215,3 +215,31 @@ def test_load_in_fp8_mistakes_name_the_setting(tmp_path: Path, extra: dict, mess
     path.write_text(json.dumps(settings))
     with pytest.raises(GRPOPluginsError, match=message):
         load_config(path)
+
+
+def test_a_policy_trained_on_a_float8_base_evaluates_through_its_own_float8_layers(
+    tiny_qwen2: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the float8 learning benchmark runs after training: `grpo-plugins eval` of the last
+    checkpoint, sampled from the policy itself (no merged copies)."""
+    import yaml
+
+    from grpo_plugins.cli import main
+    from grpo_plugins.engine import Engine
+
+    config = {
+        "model": tiny_qwen2, "dtype": "bfloat16", "load_in_fp8": True, "lora": {"r": 4, "target_modules": "all-linear"},
+        "task": {"name": "arithmetic", "params": {"num_eval_samples": 4}}, "max_prompt_length": 400,
+        "generator": {"name": "static", "params": {"fp8": True}}, "output_dir": str(tmp_path / "run"),
+        "max_steps": 2, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 4,
+        "num_generations_eval": 2, "learning_rate": 1e-3, "save_steps": 2, "seed": 0,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    Engine(config).train()
+    capsys.readouterr()
+    generator = "generator={name: static, params: {merge_weights: false}}"
+    assert main(["eval", str(path), "--checkpoint", str(tmp_path / "run"), "--json", "--set", generator]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"].endswith("checkpoint-2") and report["num_prompts"] == 4
+    assert report["reward"] is not None and report["greedy_reward"] is not None

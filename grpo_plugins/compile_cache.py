@@ -41,9 +41,14 @@ logger = logging.getLogger(__name__)
 #: The environment variable naming the compile cache directory (``0``, ``off``, ``false``: none).
 CACHE_ENV = "GRPO_PLUGINS_COMPILE_CACHE"
 
-#: Dynamo settings for every compiled region (see the module docstring; compile_region's fast
-#: path checks these two by name).
-_DYNAMO_SETTINGS = {"specialize_int": True, "specialize_float": True}
+#: Dynamo settings for every compiled region (see the module docstring).
+_DYNAMO_SETTINGS: dict[str, Any] = {"specialize_int": True, "specialize_float": True}
+if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    # transformers 5.25 wraps attention forwards (the `kernels` package's use_kernelized_func) in
+    # a global's set and reset. Under activation checkpointing dynamo refuses that side effect
+    # and breaks the decoder layer's graph unless the backward's recompute may skip it; the set
+    # and reset cancel out, so skipping them changes nothing.
+    _DYNAMO_SETTINGS["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
 
 
 def compile_region(fn: Callable[..., Any], *, backend: Any = "inductor", fullgraph: bool = False) -> Callable[..., Any]:
@@ -56,7 +61,7 @@ def compile_region(fn: Callable[..., Any], *, backend: Any = "inductor", fullgra
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if config.specialize_int and config.specialize_float:  # inside a block already: the fast path
+        if all(getattr(config, key) == value for key, value in _DYNAMO_SETTINGS.items()):  # inside a block already
             return compiled(*args, **kwargs)
         with compile_settings():
             return compiled(*args, **kwargs)

@@ -14,6 +14,9 @@
 # (Unsloth, unsloth_zoo, TRL 1.15, datasets 4.8.5, bitsandbytes) into /tmp/usite, which comes first
 # on PYTHONPATH; both are reused when a run before left them there.
 #
+# UFI_EXTRA adds arguments to every run (e.g. "--load-in-fp8": Unsloth's float8 path, which also needs
+# torchao >= 0.15 among the .uwhl wheels) and UFI_TAG a suffix to its file names (e.g. "_fp8").
+#
 # Each run has a timeout; the whole script ends by DEADLINE seconds (default 550, under a 600 s
 # call). A run that was stopped or failed still writes its JSON with the stage it reached and the
 # error (type, message, failing frame). The 7B run starts only with at least MIN_7B seconds left
@@ -95,12 +98,13 @@ esac
 run() {
   local name=$1 limit=$2; shift 2
   say "run $name (timeout ${limit} s): bench/bench_unsloth.py $*"
+  name=$name${UFI_TAG:-}
   timeout -k 15 "$limit" "$PY" bench/bench_unsloth.py "$@" --out "$OUT/unsloth_fast_$name.json" > "$OUT/unsloth_fast_$name.log" 2>&1
   local rc=$?
   say "run $name exited with $rc"
   grep -E "^=== (FAILED|at |in )|^WARNING|^\{\"framework" "$OUT/unsloth_fast_$name.log" | tail -n 12 | tee -a "$LOG"
 }
-COMMON=(--fast-inference --lora 16 --tokens 1024 --rows 64 --match-ours)
+COMMON=(--fast-inference --lora 16 --tokens 1024 --rows 64 --match-ours ${UFI_EXTRA:-})
 
 for r in $RUNS; do
   case $r in

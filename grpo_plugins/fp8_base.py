@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from grpo_plugins.errors import ModelLoadError
+from grpo_plugins.fp8_rounding import FP8_MAX, merge_rows, round_stochastically
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ __all__ = [
 #: Linear layers that stay as they are: the LM head (its logits feed the log-softmax).
 SKIP_MODULES = ("lm_head",)
 
-#: The largest magnitude float8 e4m3 represents.
-FP8_MAX = 448.0
-
 
 def float8_unsupported(device: torch.device) -> str | None:
     """None if float8 matrix products (``torch._scaled_mm`` with row-wise scales) run on
@@ -67,26 +65,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (M, K) as float8 e4m3 with one float32 scale per row: ``(x8, scale)``, ``x ~= x8 * scale``."""
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1)
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def round_stochastically(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``values`` (float32, within +-:data:`FP8_MAX`) as float8 e4m3: each rounded to the nearest
-    representable value or to the other one bracketing it, the latter where ``noise`` (uniform
-    in [0, 1)) is below the fraction of the gap that lies between the value and the nearest one,
-    so that the result is exact in expectation."""
-    values = values.clamp(-FP8_MAX, FP8_MAX)
-    near = values.to(torch.float8_e4m3fn)
-    bits = near.view(torch.uint8).to(torch.int16)
-    magnitude, sign = bits & 0x7F, bits & 0x80
-    outward = values.abs() > near.float().abs()
-    # e4m3fn is sign and magnitude, and magnitudes order as their bit patterns (0x7E = 448, 0x7F NaN).
-    other_magnitude = torch.where(outward, magnitude + 1, magnitude - 1).clamp(0, 0x7E)
-    other_sign = torch.where(magnitude == 0, (values < 0).to(torch.int16) * 0x80, sign)
-    other = (other_magnitude | other_sign).to(torch.uint8).view(torch.float8_e4m3fn)
-    gap = (other.float() - near.float()).abs()
-    chance = torch.where(gap > 0, (values - near.float()).abs() / gap.clamp(min=1e-30), 0.0)
-    chosen = torch.where(noise < chance, other.view(torch.uint8), near.view(torch.uint8))
-    return chosen.view(torch.float8_e4m3fn)
 
 
 class _Float8Product(torch.autograd.Function):
@@ -144,30 +122,18 @@ class Float8Linear(torch.nn.Module):
         return _Float8Product.apply(x, w8, w8_t, self.scale, self.ones, bias)
 
     @torch.no_grad()
-    def merged_float8(self, delta: torch.Tensor | None, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    def merged_float8(self, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float8 weights and per-row scales for this weight plus ``delta`` (N, K), e.g. a LoRA
         update: ``(w8, scale)``, ``w8 * scale ~= W + delta``.
 
         Each row keeps its scale (its grid) unless the update outgrows it, and values are rounded
         to a neighbouring grid point at random, with the probabilities that make the expected
-        result exact. Rounding to the nearest point instead would return the base weights
-        unchanged for every update below half a grid step: a sampler built that way lags ever
-        further behind the policy it is meant to follow. The random numbers are the same at
-        every call (``noise_seed``), so a run and its resumption build the same weights."""
-        generator = torch.Generator(self.weight8.device).manual_seed(self.noise_seed)
-        w8 = torch.empty_like(self.weight8).view(torch.float8_e4m3fn)
-        scale = torch.empty(self.out_features, 1, dtype=torch.float32, device=self.weight8.device)
-        for start in range(0, self.out_features, rows):  # bounded temporaries on large layers
-            part = slice(start, start + rows)
-            base_scale = self.scale[0, part, None]
-            values = self.weight8[part].view(torch.float8_e4m3fn).float()  # in units of the base scale
-            if delta is not None:
-                values = values + delta[part].float() / base_scale
-            grow = (values.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1.0)
-            noise = torch.rand(values.shape, generator=generator, device=values.device)
-            w8[part] = round_stochastically(values / grow, noise)
-            scale[part] = base_scale * grow
-        return w8, scale
+        result exact (:func:`grpo_plugins.fp8_rounding.merge_rows`). Rounding to the nearest
+        point instead would return the base weights unchanged for every update below half a grid
+        step: a sampler built that way lags ever further behind the policy it is meant to follow.
+        The random numbers are the same at every call (``noise_seed``), so a run and its
+        resumption build the same weights."""
+        return merge_rows(self.weight8.view(torch.float8_e4m3fn), self.scale[0], delta, self.noise_seed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, float8 e4m3"

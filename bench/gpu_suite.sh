@@ -43,6 +43,7 @@
 #   OURS_LONG       profile_memory.py variants of the `long` phase, run one after another
 #                   (default "long-lean8 qlora-long8 long-lean qlora-long")
 #   FP8_SEEDS       the seeds of the fp8-learning phase (default "1 2 3")
+#   FP8_SETTINGS    its settings (default "bf16 fp8 fp8base")
 # Output: DIR (default outputs/bench/DATE-COMMIT), one folder per phase with each script's JSON and log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -169,24 +170,30 @@ phase_candidates() {
 phase_fp8_learning() {
   local d=$OUT_ROOT/fp8-learning seed setting
   local fp8='generator={name: static, params: {fp8: true}}'
+  local settings=(${FP8_SETTINGS:-bf16 fp8 fp8base})
   for seed in ${FP8_SEEDS:-1 2 3}; do
-    run "fp8-learning/bf16-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --name "bf16-s$seed" &
-    run "fp8-learning/fp8-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --set "$fp8" --name "fp8-s$seed" &
-    run "fp8-learning/fp8base-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
-      --set save_steps=1000 --set seed=$seed --set "$fp8" --set load_in_fp8=true --name "fp8base-s$seed" &
+    for setting in "${settings[@]}"; do
+      local extra=()
+      case $setting in
+        bf16) ;;
+        fp8) extra=(--set "$fp8") ;;
+        fp8base) extra=(--set "$fp8" --set load_in_fp8=true) ;;
+        *) echo "=== fp8-learning: unknown setting '$setting' (bf16, fp8, fp8base)"; FAILED+=("fp8-learning/$setting"); continue ;;
+      esac
+      run "fp8-learning/$setting-s$seed" "$PY" bench/run_example.py "$EXAMPLE" --timeout 900 --set max_steps=120 \
+        --set save_steps=1000 --set seed=$seed "${extra[@]}" --name "$setting-s$seed" &
+    done
     wait
     # The trained policies themselves on the held-out prompts, each sampled from exactly (a float8
     # base's through its own float8 layers), whatever sampled its training rollouts.
-    for setting in bf16 fp8 fp8base; do
+    for setting in "${settings[@]}"; do
       local extra=()
       [ "$setting" = fp8base ] && extra=(--set load_in_fp8=true --set "generator={name: static, params: {merge_weights: false}}")
       "$PY" -m grpo_plugins.cli eval "$EXAMPLE" --checkpoint "${TMPDIR:-/tmp}/example-$setting-s$seed" --json \
         --set seed=$seed "${extra[@]}" > "$d/$setting-s$seed/eval-$setting-s$seed.json" 2> "$d/$setting-s$seed/eval.log" &
     done
     wait
-    for setting in bf16 fp8 fp8base; do  # run's failure list does not survive the background jobs
+    for setting in "${settings[@]}"; do  # run's failure list does not survive the background jobs
       [ -f "$d/$setting-s$seed/example-$setting-s$seed.json" ] || FAILED+=("fp8-learning/$setting-s$seed")
       [ -s "$d/$setting-s$seed/eval-$setting-s$seed.json" ] || FAILED+=("fp8-learning/eval-$setting-s$seed")
     done

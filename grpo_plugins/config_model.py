@@ -59,7 +59,7 @@ class GRPOConfig(StrictModel):
     )
     load_in_fp8: bool = Field(
         False,
-        description="LoRA on a float8 base: the frozen linear layers (not the LM head) hold float8 (e4m3) weights with one scale per output channel and multiply in float8 forward and backward, their inputs quantised per row (torch._scaled_mm; GPUs with float8 tensor cores: Ada, Hopper; dtype bfloat16 on a GPU). The trained policy is the float8 model; the static generator's merged decode copies then sample a close neighbour of it, so vllm_importance_sampling_correction: auto turns the rollout correction on. Needs lora; export merges into the original 16-bit base.",
+        description="LoRA on a float8 base: the frozen linear layers (not the LM head) hold float8 (e4m3) weights with one scale per output channel and multiply in float8 forward and backward, their inputs quantised per row (torch._scaled_mm; GPUs with float8 tensor cores: Ada, Hopper; dtype bfloat16 on a GPU). The trained policy is the float8 model; the static generator's merged decode copies then sample a close neighbour of it, so vllm_importance_sampling_correction: auto turns the rollout correction on. Needs lora; export merges into the original 16-bit base. Check it against a bf16 run: on a 135M model it kept the policy from learning (float8 weights turned its gradient; bench/fp8_gradients.py measures that for a model).",
     )
     task: str | ComponentRef | None = Field("arithmetic", description="A task component: data plus default rewards.")
     dataset: DatasetSpec | None = Field(None, description="A dataset instead of (or overriding the data of) the task.")

@@ -262,21 +262,27 @@ def decode_layer(
     parts: DecoderParts,
     layer: Any,
     h: torch.Tensor,
+    pending: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_all: torch.Tensor,
     v_all: torch.Tensor,
     bias: torch.Tensor,
     index: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for one new token per row: writes its key/value at cache index
     ``index`` of ``k_all``/``v_all`` (B, Hkv, S, D) and attends over the first W slots under
     ``bias`` (B, W), W <= S (the attention window of the step, see :func:`decode_step`).
-    ``h`` (B, 1, H) -> (B, 1, H). The same function serves every layer, so it is compiled once
-    for the whole model."""
+
+    The residual stream arrives as ``h + pending`` (each (B, 1, H)): the layer before hands on
+    its MLP output unadded, so that the addition and this layer's first norm are one kernel
+    (the layers are separate graphs, and at small models a decode step's time is mostly its
+    kernel count). Returns this layer's ``(h, pending)`` the same way. The same function serves
+    every layer, so it is compiled once for the whole model."""
     B = h.shape[0]
     G = parts.num_heads // parts.num_kv_heads
     W = bias.shape[-1]
+    h = h + pending
     x = layer.input_layernorm(h)
     q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
     k_all.index_copy_(2, index, k)
@@ -286,13 +292,16 @@ def decode_layer(
     attend = fused_window_attention if parts.fused_attention else window_attention
     o = attend(q, keys, values, bias, parts.scaling)  # (B, Hkv, G, D)
     h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h, layer.mlp(layer.post_attention_layernorm(h))
 
 
-def decode_head(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor) -> None:
-    """The final norm, LM head and sampling of one decode step; records the token at column
-    ``st.step`` and advances the counters."""
-    logits = parts.lm_head(parts.norm(h))[:, 0].float()  # (B, V)
+def decode_head(
+    parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor
+) -> None:
+    """The final norm (of ``h + pending``, the last layer's residual stream), LM head and
+    sampling of one decode step; records the token at column ``st.step`` and advances the
+    counters."""
+    logits = parts.lm_head(parts.norm(h + pending))[:, 0].float()  # (B, V)
     token, logp = sample_tokens(logits, st.seen, s)
     token = torch.where(st.done, pad_id, token)
     logp = torch.where(st.done, 0.0, logp)
@@ -314,7 +323,7 @@ def decode_step(
     s: SamplingSettings,
     pad_id: int,
     stop_at_eos: bool,
-    layer_fn: Callable[..., torch.Tensor] = decode_layer,
+    layer_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = decode_layer,
     head_fn: Callable[..., None] = decode_head,
     window: int | None = None,
 ) -> None:
@@ -333,6 +342,7 @@ def decode_step(
     # copy kernels a step); the batched products cast it to the model's dtype inside their graph.
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=h.device).masked_fill(~valid, float("-inf"))  # (B, W)
     index = st.cur.view(1)
+    pending = torch.zeros_like(h)
     for i, layer in enumerate(parts.layers):
-        h = layer_fn(parts, layer, h, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)
-    head_fn(parts, st, s, pad_id, stop_at_eos, h)
+        h, pending = layer_fn(parts, layer, h, pending, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)
+    head_fn(parts, st, s, pad_id, stop_at_eos, h, pending)

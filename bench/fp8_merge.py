@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from grpo_plugins.fp8_base import quantize_rows
-from grpo_plugins.fp8_rounding import merge_rows_reference, run_kernel, triton
+from grpo_plugins.fp8_rounding import merge_agreement, merge_rows_reference, run_kernel, triton
 
 #: (name, N, K, per layer) of the frozen projections a float8 base holds, one Float8Linear each.
 SHAPES = {
@@ -46,18 +46,6 @@ def _time_ms(fn: Callable[[], Any], repeats: int, device: torch.device) -> float
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
-    """Share of float8 values with other bits, and the largest distance in grid steps."""
-    (w_got, s_got), (w_want, s_want) = got, want
-    spacing = (w_want.float().abs() / 8).clamp(min=2**-9) * s_want
-    apart = (w_got.float() * s_got - w_want.float() * s_want).abs() / spacing
-    return {
-        "bits_differ": float((w_got.view(torch.uint8) != w_want.view(torch.uint8)).float().mean()),
-        "largest_grid_steps": float(apart.max()),
-        "scale_rel_error": float(((s_got - s_want).abs() / s_want).max()),
-    }
-
-
 def measure(shape: str, repeats: int, device: torch.device, use_kernel: bool) -> dict[str, Any]:
     """Each projection of ``shape`` merged by the torch operations (and the kernel)."""
     layers, projections = SHAPES[shape]
@@ -70,7 +58,7 @@ def measure(shape: str, repeats: int, device: torch.device, use_kernel: bool) ->
         row["torch_ms"] = _time_ms(lambda: merge_rows_reference(weight8, scale[:, 0], delta, seed=1), repeats, device)
         if use_kernel:
             row["kernel_ms"] = _time_ms(lambda: run_kernel(weight8, scale[:, 0], delta, seed=1), repeats, device)
-            row.update(agreement(run_kernel(weight8, scale[:, 0], delta, 1), merge_rows_reference(weight8, scale[:, 0], delta, 1)))
+            row.update(merge_agreement(run_kernel(weight8, scale[:, 0], delta, 1), merge_rows_reference(weight8, scale[:, 0], delta, 1)))
         rows.append(row)
     totals = {key: layers * sum(r[key] * r["per_layer"] for r in rows) for key in ("torch_ms", "kernel_ms") if key in rows[0]}
     return {"shape": shape, "layers": layers, "device": str(device), "projections": rows, "per_model_ms": totals}

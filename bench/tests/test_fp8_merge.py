@@ -1,6 +1,6 @@
 """bench/fp8_merge.py on the CPU: the torch path is timed for every projection of a shape and
-totalled per model; the agreement measure finds no difference in a merge against itself and
-many in one with other noise."""
+totalled per model; the agreement measure (fp8_rounding.merge_agreement) finds no difference
+in a merge against itself and many in one with other noise."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from bench import fp8_merge
 from grpo_plugins.fp8_base import quantize_rows
-from grpo_plugins.fp8_rounding import merge_rows_reference
+from grpo_plugins.fp8_rounding import merge_agreement, merge_rows_reference
 
 
 def test_the_torch_path_is_timed_per_projection_and_totalled_per_model() -> None:
@@ -24,7 +24,7 @@ def test_agreement_sees_other_rounding_and_nothing_in_the_same() -> None:
     weight8, scale = quantize_rows(torch.randn(40, 64))
     delta = torch.randn(40, 64) * 0.05 * scale
     merged = merge_rows_reference(weight8, scale[:, 0], delta, seed=1)
-    same = fp8_merge.agreement(merged, merge_rows_reference(weight8, scale[:, 0], delta, seed=1))
+    same = merge_agreement(merged, merge_rows_reference(weight8, scale[:, 0], delta, seed=1))
     assert same == {"bits_differ": 0.0, "largest_grid_steps": 0.0, "scale_rel_error": 0.0}
-    other = fp8_merge.agreement(merged, merge_rows_reference(weight8, scale[:, 0], delta, seed=2))
+    other = merge_agreement(merged, merge_rows_reference(weight8, scale[:, 0], delta, seed=2))
     assert other["bits_differ"] > 0.005 and 0.5 < other["largest_grid_steps"] <= 1.01  # neighbouring grid points

@@ -43,6 +43,12 @@ def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingS
     return logits
 
 
+def _chunk_count(vocab: int, most: int = 64) -> int:
+    """The largest divisor of ``vocab`` up to ``most``: how many slices a row's reduction is
+    split into."""
+    return next(c for c in range(min(most, vocab), 0, -1) if vocab % c == 0)
+
+
 def sample_tokens(
     logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,11 +57,25 @@ def sample_tokens(
     Returns the tokens (B,) and their log-probabilities under the distribution actually sampled
     from (after penalty, temperature and filters), (B,) float32. Sampling is the Gumbel-max trick
     (``argmax(log p - log E)``, ``E ~ Exp(1)``), which needs no host sync and captures in a graph.
-    """
-    logp_all = process_logits(logits, seen, s).log_softmax(dim=-1)  # (B, V)
-    noise = torch.empty_like(logp_all).exponential_()
-    tokens = (logp_all - noise.log()).argmax(dim=-1)  # (B,)
-    return tokens, logp_all.gather(1, tokens[:, None]).squeeze(1)
+
+    Each row's vocabulary is reduced in slices, then across them: with one program per row, the
+    compiled reduction over ~150k logits ran on only B of the GPU's processors (64 rows: 0.12
+    ms per decode step, 14x its memory time). ``log p`` differs from ``x`` by a per-row constant,
+    so the maximiser of ``x - log E`` is the same token."""
+    x = process_logits(logits, seen, s)  # (B, V) float32
+    B, V = x.shape
+    C = _chunk_count(V)
+    xs = x.view(B, C, V // C)
+    top = xs.amax(dim=-1)  # (B, C); -inf where a whole slice is filtered out
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    mass = (xs - shift[..., None]).exp().sum(dim=-1)  # (B, C)
+    row_top = top.amax(dim=-1, keepdim=True)  # (B, 1); finite: filters keep the most likely token
+    logsumexp = row_top.squeeze(1) + (mass * (top - row_top).exp()).sum(dim=-1).log()  # (B,)
+    noise = torch.empty_like(xs).exponential_()
+    best, where = (xs - noise.log()).max(dim=-1)  # (B, C) each
+    chunk = best.argmax(dim=-1, keepdim=True)  # (B, 1)
+    tokens = (chunk * (V // C) + where.gather(1, chunk)).squeeze(1)  # (B,)
+    return tokens, x.gather(1, tokens[:, None]).squeeze(1) - logsumexp
 
 
 def _embed(parts: DecoderParts, ids: torch.Tensor) -> torch.Tensor:

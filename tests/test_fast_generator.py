@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_plugins.generators.static_cache import StaticCacheGenerator
-from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError, process_logits
+from grpo_plugins.generators.static_decode import StaticDecoder, UnsupportedModelError, process_logits, sample_tokens
 from grpo_plugins.generators.static_layers import check_supported
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
@@ -118,6 +118,28 @@ def test_first_token_distribution_matches_softmax(llama: tuple) -> None:
     total_variation = 0.5 * (empirical - probs).abs().sum().item()
     # E[TV] for this many samples is about 0.03 here; a wrong temperature or order gives > 0.15.
     assert total_variation < 0.07
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(top_k=7), dict(temperature=0.6, top_p=0.5)])
+def test_two_stage_sampling_draws_each_token_with_its_softmax_probability(settings: dict) -> None:
+    # 1000 logits are sampled as 50 slices of 20; top-k 7 leaves most slices empty (-inf).
+    s = SamplingSettings(**settings)
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000) * 2
+    logits[0, 500:520] += 2.5
+    expected = process_logits(logits, None, s).log_softmax(-1)[0]
+    n = 100_000
+    tokens, logps = sample_tokens(logits.expand(n, -1).contiguous(), None, s)
+    torch.testing.assert_close(logps, expected[tokens], atol=1e-5, rtol=0)
+    counts = torch.bincount(tokens, minlength=1000).double()
+    support = expected > float("-inf")
+    assert counts[~support].sum() == 0
+    # Pearson's statistic over the support: mean = dof, sd = sqrt(2 dof); a sampler that
+    # ignored the slices' masses would be off by orders of magnitude.
+    mean = n * expected[support].exp().double()
+    dof = int(support.sum()) - 1
+    chi2 = ((counts[support] - mean) ** 2 / mean).sum().item()
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10
 
 
 @pytest.mark.parametrize(

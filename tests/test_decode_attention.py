@@ -72,24 +72,58 @@ KERNEL_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from grpo_plugins.generators.decode_attention import run_kernel, window_attention
+from grpo_plugins.generators.decode_attention import check_kernel, run_rope_kernel, rope_window_attention
 torch.manual_seed(0)
-# float32 (the interpreter has no bfloat16); windows of a larger cache, as the decode layer passes them
-for B, Hkv, G, D, S, W in [(3, 2, 6, 64, 200, 130), (2, 4, 7, 128, 80, 64), (1, 1, 16, 32, 40, 17), (2, 1, 1, 16, 90, 80)]:
-    q = torch.randn(B, Hkv, G, D)
-    k_all, v_all = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+# float32 (the interpreter has no bfloat16). The new token's slot: in the first block, in the
+# middle of one, the last of a window; q/k/v as views of one fused projection row.
+for B, Hkv, G, D, S, W, cur in [(3, 2, 6, 64, 200, 130, 127), (2, 4, 7, 128, 80, 64, 63), (1, 1, 16, 32, 40, 17, 5), (2, 1, 1, 16, 90, 80, 70)]:
+    fused = torch.randn(B, (G + 2) * Hkv * D)
+    q, k, v = fused.split([G * Hkv * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, G * Hkv, D), k.view(B, Hkv, D), v.view(B, Hkv, D)
+    angles = torch.rand(B, D // 2) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    caches = [torch.randn(B, Hkv, S, D) for _ in range(2)]
     bias = torch.zeros(B, W)
-    bias[0, :70 % W] = float("-inf")  # a left-padded row: its first block can be all masked
-    bias[:, -3:] = float("-inf")  # slots not written yet
-    got = run_kernel(q, k_all[:, :, :W], v_all[:, :, :W], bias, 0.125)
-    want = window_attention(q, k_all[:, :, :W], v_all[:, :, :W], bias, 0.125)
+    bias[:, cur + 1 :] = float("-inf")  # slots not written yet
+    bias[0, : min(70, cur) % W] = float("-inf")  # a left-padded row: its first block can be all masked
+    index = torch.tensor([cur])
+    got_k, got_v = (c.clone() for c in caches)
+    got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125)
+    want_k, want_v = (c.clone() for c in caches)
+    want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
+for D, G in [(16, 4), (128, 7)]:
+    assert check_kernel(torch.device("cpu"), D, G, torch.float32) is None
 print("ok")
 """
 
 
-def test_the_triton_kernel_equals_the_batched_products() -> None:
+def test_the_triton_kernel_equals_the_torch_operations() -> None:
     _interpret(KERNEL_CHECK)
+
+
+def test_the_torch_form_rotates_writes_and_attends_as_the_unfused_layer_does() -> None:
+    from grpo_plugins.generators.decode_attention import rope_window_attention
+    from grpo_plugins.generators.static_steps import _rotate_half
+
+    torch.manual_seed(1)
+    B, Hkv, G, D, S, W, cur = 2, 2, 3, 8, 12, 10, 6
+    q, k, v = torch.randn(B, Hkv * G, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
+    cos, sin = torch.randn(B, D), torch.randn(B, D)
+    k_cache, v_cache = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    bias = torch.zeros(B, W)
+    bias[:, cur + 1 :] = float("-inf")
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = rope_window_attention(q, k, v, cos, sin, kc, vc, torch.tensor([cur]), bias, 0.5)
+    k_rot = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+    q_rot = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    k_cache[:, :, cur], v_cache[:, :, cur] = k_rot, v
+    torch.testing.assert_close(kc, k_cache)
+    torch.testing.assert_close(vc, v_cache)
+    want = window_attention(q_rot.view(B, Hkv, G, D), k_cache[:, :, :W], v_cache[:, :, :W], bias, 0.5)
+    torch.testing.assert_close(got, want)
 
 
 DECODE_CHECK = """
@@ -123,3 +157,28 @@ print("ok")
 
 def test_a_static_decode_with_the_kernel_samples_what_the_products_sample(tmp_path: Path) -> None:
     _interpret(DECODE_CHECK, str(tmp_path))
+
+
+def test_a_kernel_that_disagrees_on_this_device_is_turned_off_or_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from grpo_plugins.generators import decode_attention
+
+    model, _ = load_model(tiny_model_spec(tmp_path, "qwen2"), dtype="float32", seed=0)
+    parts = StaticDecoder(model, SamplingSettings(max_completion_length=4), [2], 0).parts
+    checked: list[tuple] = []
+
+    def broken(*key: object) -> str:
+        checked.append(key)
+        return "its attention differs from the torch operations' by 0.5"
+
+    monkeypatch.setattr(decode_attention, "fused_attention_unsupported", lambda *a: None)  # as on a GPU
+    monkeypatch.setattr(decode_attention, "check_kernel", broken)
+    monkeypatch.setattr(decode_attention, "_KERNEL_FAULTS", {})
+    assert decode_attention.use_fused_attention(parts, False) is False and not checked
+    with caplog.at_level("WARNING"):
+        assert decode_attention.use_fused_attention(parts, None) is False
+    assert "fused decode attention is off" in caplog.text and "differs" in caplog.text
+    with pytest.raises(GRPOPluginsError, match="fused_attention cannot run here: its attention differs.*set fused_attention: false"):
+        decode_attention.use_fused_attention(parts, True)
+    assert len(checked) == 1  # once per device and head shape

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from grpo_plugins.generators.decode_attention import fused_window_attention, window_attention
+from grpo_plugins.generators.decode_attention import fused_rope_window_attention, window_attention
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
 
@@ -91,8 +91,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: DecoderParts):
-    """Projections with RoPE for hidden states ``h`` (B, Q, H) -> q (B, Hq, Q, D), k/v (B, Hkv, Q, D)."""
+def _projections(layer: Any, h: torch.Tensor, parts: DecoderParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, Q, Hq, D), k/v (B, Q, Hkv, D) for hidden states ``h`` (B, Q, H), before RoPE."""
     attn = layer.self_attn
     B, Q, _ = h.shape
     if hasattr(attn, "qkv_proj"):  # a MergedLayer: one product for q, k and v
@@ -104,6 +104,12 @@ def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, part
     v = v.view(B, Q, parts.num_kv_heads, parts.head_dim)
     if getattr(attn, "q_norm", None) is not None:  # qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
+
+
+def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: DecoderParts):
+    """Projections with RoPE for hidden states ``h`` (B, Q, H) -> q (B, Hq, Q, D), k/v (B, Hkv, Q, D)."""
+    q, k, v = _projections(layer, h, parts)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, Q, D)
     q = q * cos + _rotate_half(q) * sin
@@ -306,13 +312,16 @@ def decode_layer(
     W = bias.shape[-1]
     h = h + pending
     x = layer.input_layernorm(h)
-    q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
-    k_all.index_copy_(2, index, k)
-    v_all.index_copy_(2, index, v)
-    keys, values = k_all[:, :, :W], v_all[:, :, :W]  # only the slots written so far are read
-    q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
-    attend = fused_window_attention if parts.fused_attention else window_attention
-    o = attend(q, keys, values, bias, parts.scaling)  # (B, Hkv, G, D)
+    if parts.fused_attention:  # RoPE, the cache writes and attention in one kernel
+        q, k, v = _projections(layer, x, parts)
+        o = fused_rope_window_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)
+    else:
+        q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
+        k_all.index_copy_(2, index, k)
+        v_all.index_copy_(2, index, v)
+        keys, values = k_all[:, :, :W], v_all[:, :, :W]  # only the slots written so far are read
+        q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
+        o = window_attention(q, keys, values, bias, parts.scaling)  # (B, Hkv, G, D)
     h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
     return h, layer.mlp(layer.post_attention_layernorm(h))
 

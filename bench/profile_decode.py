@@ -14,8 +14,9 @@ Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), 
 (regional compile per bucket), ``autotune`` (``max-autotune-no-cudagraphs``, per bucket),
 ``eager`` (no compilation, still one CUDA graph); ``fused`` / ``unmerged``: ``dynamic`` with
 ``merge_weights`` forced on / off (by default on for LoRA models, and for full fine-tuning where
-the copy is small); ``matmul``: ``dynamic`` with the decode attention as two batched products
-and a softmax instead of the Triton kernel (``fused_attention: false``); ``fp8``: ``dynamic``
+the copy is small); ``matmul``: ``dynamic`` with the decode attention as torch operations
+(RoPE, cache writes, two batched products and a softmax) instead of the Triton kernel
+(``fused_attention: false``); ``fp8``: ``dynamic``
 decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
 matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
 window over the whole cache (every step reads all of it, as before attention windows).

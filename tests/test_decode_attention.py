@@ -106,7 +106,9 @@ def test_the_triton_kernel_equals_the_torch_operations() -> None:
 
 def test_the_torch_form_rotates_writes_and_attends_as_the_unfused_layer_does() -> None:
     from grpo_plugins.generators.decode_attention import rope_window_attention
-    from grpo_plugins.generators.static_steps import _rotate_half
+
+    def turn(x: torch.Tensor) -> torch.Tensor:  # RoPE's rotate-half, written out
+        return torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
 
     torch.manual_seed(1)
     B, Hkv, G, D, S, W, cur = 2, 2, 3, 8, 12, 10, 6
@@ -117,8 +119,8 @@ def test_the_torch_form_rotates_writes_and_attends_as_the_unfused_layer_does() -
     bias[:, cur + 1 :] = float("-inf")
     kc, vc = k_cache.clone(), v_cache.clone()
     got = rope_window_attention(q, k, v, cos, sin, kc, vc, torch.tensor([cur]), bias, 0.5)
-    k_rot = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-    q_rot = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    k_rot = k * cos[:, None] + turn(k) * sin[:, None]
+    q_rot = q * cos[:, None] + turn(q) * sin[:, None]
     k_cache[:, :, cur], v_cache[:, :, cur] = k_rot, v
     torch.testing.assert_close(kc, k_cache)
     torch.testing.assert_close(vc, v_cache)

@@ -41,6 +41,12 @@ except ImportError:  # CPU-only torch builds ship without Triton
 BLOCK_W = 64
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of the last dimension's halves: (a, b) -> (-b, a)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def window_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of ``q`` (B, Hkv, G, D) - the G query heads that share a key/value head - over
     ``keys``/``values`` (B, Hkv, W, D) with the additive mask ``bias`` (B, W) -> (B, Hkv, G, D).
@@ -222,9 +228,9 @@ def rope_window_attention(
     B, Hq, D = q.shape
     Hkv = k.shape[1]
 
-    def rope(x: torch.Tensor) -> torch.Tensor:
-        turned = torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
-        return (x.float() * cos[:, None].float() + turned.float() * sin[:, None].float()).to(k_cache.dtype)
+    def rope(x: torch.Tensor) -> torch.Tensor:  # in float32, rounded once (as the compiled step does)
+        x = x.float()
+        return (x * cos[:, None].float() + rotate_half(x) * sin[:, None].float()).to(k_cache.dtype)
 
     k_cache.index_copy_(2, index, rope(k)[:, :, None])
     v_cache.index_copy_(2, index, v[:, :, None].to(v_cache.dtype))

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from grpo_plugins.generators.decode_attention import fused_rope_window_attention, window_attention
+from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention, rotate_half
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
 
@@ -86,11 +86,6 @@ def _embed(parts: DecoderParts, ids: torch.Tensor) -> torch.Tensor:
     return parts.embed.forward(ids)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _projections(layer: Any, h: torch.Tensor, parts: DecoderParts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, Q, Hq, D), k/v (B, Q, Hkv, D) for hidden states ``h`` (B, Q, H), before RoPE."""
     attn = layer.self_attn
@@ -112,8 +107,8 @@ def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, part
     q, k, v = _projections(layer, h, parts)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, Q, D)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
     return q, k, v
 
 
@@ -308,20 +303,12 @@ def decode_layer(
     kernel count). Returns this layer's ``(h, pending)`` the same way. The same function serves
     every layer, so it is compiled once for the whole model."""
     B = h.shape[0]
-    G = parts.num_heads // parts.num_kv_heads
-    W = bias.shape[-1]
     h = h + pending
     x = layer.input_layernorm(h)
-    if parts.fused_attention:  # RoPE, the cache writes and attention in one kernel
-        q, k, v = _projections(layer, x, parts)
-        o = fused_rope_window_attention(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)
-    else:
-        q, k, v = _qkv(layer, x, cos, sin, parts)  # q (B, Hq, 1, D), k/v (B, Hkv, 1, D)
-        k_all.index_copy_(2, index, k)
-        v_all.index_copy_(2, index, v)
-        keys, values = k_all[:, :, :W], v_all[:, :, :W]  # only the slots written so far are read
-        q = q.view(B, parts.num_kv_heads, G, parts.head_dim)  # (B, Hkv, G, D)
-        o = window_attention(q, keys, values, bias, parts.scaling)  # (B, Hkv, G, D)
+    q, k, v = _projections(layer, x, parts)  # (B, 1, heads, D), before RoPE
+    # RoPE, the cache writes and attention over the window: one kernel, or torch operations
+    attend = fused_rope_window_attention if parts.fused_attention else rope_window_attention
+    o = attend(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)  # (B, Hkv, G, D)
     h = h + layer.self_attn.o_proj(o.reshape(B, 1, -1))
     return h, layer.mlp(layer.post_attention_layernorm(h))
 

@@ -18,6 +18,7 @@ function. The kernel is checked against the torch operations once per device bef
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -111,15 +112,11 @@ def merge_rows(
     return merge_rows_reference(weight8, scale, delta, seed)
 
 
-_KERNEL_CHECKED: dict[torch.device, bool] = {}
-
-
+@functools.cache
 def _kernel_checked(device: torch.device) -> bool:
     """Whether the kernel runs on ``device`` and agrees with the torch operations there (checked
     once per device on a small case); if not, the merge runs as torch operations, with a warning."""
-    if device not in _KERNEL_CHECKED:
-        _KERNEL_CHECKED[device] = _check_kernel(device)
-    return _KERNEL_CHECKED[device]
+    return _check_kernel(device)
 
 
 def merge_agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:

@@ -176,11 +176,14 @@ def test_a_kernel_that_disagrees_on_this_device_is_turned_off_or_refused(
 
     monkeypatch.setattr(decode_attention, "fused_attention_unsupported", lambda *a: None)  # as on a GPU
     monkeypatch.setattr(decode_attention, "check_kernel", broken)
-    monkeypatch.setattr(decode_attention, "_KERNEL_FAULTS", {})
-    assert decode_attention.use_fused_attention(parts, False) is False and not checked
-    with caplog.at_level("WARNING"):
-        assert decode_attention.use_fused_attention(parts, None) is False
-    assert "fused decode attention is off" in caplog.text and "differs" in caplog.text
-    with pytest.raises(GRPOPluginsError, match="fused_attention cannot run here: its attention differs.*set fused_attention: false"):
-        decode_attention.use_fused_attention(parts, True)
-    assert len(checked) == 1  # once per device and head shape
+    decode_attention._kernel_fault.cache_clear()
+    try:
+        assert decode_attention.use_fused_attention(parts, False) is False and not checked
+        with caplog.at_level("WARNING"):
+            assert decode_attention.use_fused_attention(parts, None) is False
+        assert "fused decode attention is off" in caplog.text and "differs" in caplog.text
+        with pytest.raises(GRPOPluginsError, match="fused_attention cannot run here: its attention differs.*set fused_attention: false"):
+            decode_attention.use_fused_attention(parts, True)
+        assert len(checked) == 1  # once per device and head shape
+    finally:
+        decode_attention._kernel_fault.cache_clear()

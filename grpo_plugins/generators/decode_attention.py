@@ -22,6 +22,7 @@ the torch operations once per device before using it (:func:`use_fused_attention
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -86,18 +87,14 @@ def use_fused_attention(parts: Any, wanted: bool | None) -> bool:
     return unsupported is None if wanted is None else wanted
 
 
-_KERNEL_FAULTS: dict[tuple, str | None] = {}
-
-
+@functools.cache
 def _kernel_fault(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot be trusted for these heads on ``device`` (None: it agrees with
-    the torch operations on a small case with a window of several blocks)."""
-    key = (str(device), head_dim, groups, dtype)
-    if key not in _KERNEL_FAULTS:
-        _KERNEL_FAULTS[key] = check_kernel(device, head_dim, groups, dtype)
-        if _KERNEL_FAULTS[key] is not None:
-            logger.warning("the fused decode attention is off on %s: %s", device, _KERNEL_FAULTS[key])
-    return _KERNEL_FAULTS[key]
+    the torch operations on a small case with a window of several blocks); checked once."""
+    fault = check_kernel(device, head_dim, groups, dtype)
+    if fault is not None:
+        logger.warning("the fused decode attention is off on %s: %s", device, fault)
+    return fault
 
 
 def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype) -> str | None:

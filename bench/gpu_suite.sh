@@ -110,17 +110,23 @@ phase_trl_vllm() {
   # vLLM's FlashInfer sampler and its multiprocessing engine were off for the published numbers.
   local env=(env VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}")
   local shape tokens
+  # Ours with the settings TRL's config uses (gradient checkpointing, all 64 rows in one pass) and
+  # `fast` (no recomputation, 8 rows a pass); TRL + vLLM with its own.
+  local small='{"": {}, " fast": {"gradient_checkpointing": false, "train_chunk_rows": 8}}'
   for shape in qwen2.5-0.5b qwen2.5-1.5b; do
     for tokens in 256 1024; do
       run "trl-vllm/$shape-$tokens" "${env[@]}" "$PY" bench/bench_grpo.py --shape "$shape" --tokens "$tokens" \
-        --frameworks ours trl-vllm --steps 3 --warmup 2 --trl-steps $((tokens == 256 ? 3 : 2)) --trl-warmup 1
+        --frameworks ours trl-vllm --steps 3 --warmup 2 --trl-steps $((tokens == 256 ? 3 : 2)) --trl-warmup 1 \
+        --ours-variants "$small"
     done
   done
-  # The 7B rows: ours with the `fast` settings, in bf16 and with float8 decoding, and TRL + vLLM, in one command.
+  # The 7B rows: ours with the `fast` settings and float8 decoding, on a bf16 and on a float8 base,
+  # and TRL + vLLM, in one command.
   local fast='"lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "dtype": "model"}, "gradient_checkpointing": false, "train_chunk_rows": 8'
   local fp8='"generator": {"name": "static", "params": {"fp8": true}}'
   run trl-vllm/qwen2.5-7b-lora16-1024 "${env[@]}" "$PY" bench/bench_grpo.py --shape qwen2.5-7b --lora 16 --tokens 1024 \
-    --frameworks ours trl-vllm --steps 2 --warmup 1 --trl-steps 2 --trl-warmup 1 --ours-variants "{\" fast\": {$fast}, \" fast+fp8\": {$fast, $fp8}}"
+    --frameworks ours trl-vllm --steps 2 --warmup 1 --trl-steps 2 --trl-warmup 1 \
+    --ours-variants "{\" fast+fp8+base\": {$fast, $fp8, \"load_in_fp8\": true}, \" fast+fp8\": {$fast, $fp8}}"
   run trl-vllm/master-weights "$PY" bench/bench_grpo.py --shape qwen2.5-0.5b --tokens 256 --frameworks ours \
     --steps 3 --warmup 2 --ours-variants '{" master": {}, " nomaster": {"master_weights": false}}'
 }

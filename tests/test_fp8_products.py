@@ -82,6 +82,29 @@ def test_the_kernel_computes_the_row_scaled_float8_product() -> None:
     _interpret(KERNEL_CHECK)
 
 
+UNSCALED_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from grpo_plugins.generators.fp8_products import run_rows_kernel
+torch.manual_seed(0)
+# The interpreter has no bfloat16: float32 inputs, so the kernel's sum is compared exactly-ish.
+for M, N, K, config in [(5, 96, 256, {}), (64, 256, 512, {"split": 2}), (3, 64, 200, {"block_n": 32, "block_k": 64}), (17, 128, 640, {"split": 4, "block_k": 64})]:
+    x, w = torch.randn(M, K), torch.randn(N, K) * 0.02
+    want = x @ w.t()
+    got = run_rows_kernel(x, w, config)
+    assert got.dtype == x.dtype and got.shape == (M, N)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    parts = run_rows_kernel(x, w, config, reduce=False)
+    torch.testing.assert_close(parts.sum(0), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+print("ok")
+"""
+
+
+def test_the_kernel_without_scales_computes_the_plain_product() -> None:
+    _interpret(UNSCALED_CHECK)
+
+
 PROJECTION_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])

@@ -46,9 +46,10 @@ def fp8_kernel_unsupported(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _fp8_rows_kernel(
+    def _rows_kernel(
         w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -67,11 +68,16 @@ if triton is not None:
                 inside = (k0 + rk)[None, :] < K
                 w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
                 x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            # Hopper's float8 tensor cores add in reduced precision; promoting the sum to float32
-            # after each block (as cuBLASLt does unless told to accumulate fast) keeps it exact.
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
-        acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
-        acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
+            if SCALED:
+                # Hopper's float8 tensor cores add in reduced precision; promoting the sum to
+                # float32 after each block (as cuBLASLt does unless told to accumulate fast)
+                # keeps it exact.
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        if SCALED:
+            acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
+            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
@@ -105,21 +111,36 @@ def run_kernel(
     ``reduce=False``: the (splits, M, N) partial sums over K instead (float32 when several, in
     ``out_dtype`` when one), for the caller to add where it can fuse the sum. ``config``
     (benchmarks): launch settings instead of :func:`plan`'s."""
+    return _launch(x8, w8, (x_scale, w_scale), out_dtype, config, reduce)
+
+
+def run_rows_kernel(
+    x: torch.Tensor, w: torch.Tensor, config: dict[str, int] | None = None, reduce: bool = True
+) -> torch.Tensor:
+    """``x @ w^T`` by the same kernel without scales: ``x`` (M, K), ``w`` (N, K) in one 16-bit
+    dtype, M <= 128, the products summed in float32; ``reduce``/``config`` as in :func:`run_kernel`."""
+    return _launch(x, w, None, x.dtype, config, reduce)
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
+    config: dict[str, int] | None, reduce: bool,
+) -> torch.Tensor:
     if triton is None:
-        raise RuntimeError("the float8 decode kernel needs Triton")
-    M, K = x8.shape
-    N = w8.shape[0]
+        raise RuntimeError("the decode product kernel needs Triton")
+    M, K = x.shape
+    N = w.shape[0]
     if M > MAX_ROWS:
-        raise ValueError(f"the float8 decode kernel takes at most {MAX_ROWS} rows, not {M}")
-    settings = plan(M, N, K, _sms(x8.device)) | (config or {})
+        raise ValueError(f"the decode product kernel takes at most {MAX_ROWS} rows, not {M}")
+    settings = plan(M, N, K, _sms(x.device)) | (config or {})
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
-    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x8.device)
-    _fp8_rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
-        w8, x8.contiguous(), w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous(), out,
-        M, N, K, k_per_split,
+    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
+    x_scale, w_scale = (s.reshape(-1).contiguous() for s in scales) if scales is not None else (x, w)
+    _rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
+        w, x.contiguous(), w_scale, x_scale, out, M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
-        EVEN_K=K % k_per_split == 0,
+        EVEN_K=K % k_per_split == 0, SCALED=scales is not None,
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
     )
     if not reduce:

@@ -133,6 +133,35 @@ def test_float8_projections_send_decode_batches_through_the_kernel() -> None:
     _interpret(PROJECTION_CHECK)
 
 
+PRODUCT_KERNEL_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import grpo_plugins.generators.static_layers as layers
+from grpo_plugins.generators.static_layers import FusedLinear
+torch.manual_seed(0)
+q, k = torch.nn.Linear(64, 48, bias=True), torch.nn.Linear(64, 16, bias=False)
+fused = FusedLinear([q, k], product_kernel=True)
+assert fused.rows_kernel is False  # no CUDA here: cuBLAS's (torch's) product
+calls = []
+real = layers.rows_product
+layers.rows_product = lambda x, w: calls.append(x.shape[0]) or real(x, w)
+decode, prefill = torch.randn(6, 1, 64), torch.randn(2, 80, 64)
+want_decode, want_prefill = fused(decode), fused(prefill)
+fused.rows_kernel = True  # as on a GPU with Triton
+got_decode, got_prefill = fused(decode), fused(prefill)
+assert calls == [6], calls  # the decode batch went through the kernel, the prefill did not
+torch.testing.assert_close(got_decode, want_decode, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(got_decode[..., :48], decode @ q.weight.t() + q.bias, rtol=1e-5, atol=1e-5)
+assert torch.equal(got_prefill, want_prefill)
+print("ok")
+"""
+
+
+def test_a_product_kernel_projection_sends_decode_batches_through_the_kernel() -> None:
+    _interpret(PRODUCT_KERNEL_CHECK)
+
+
 def test_the_plan_keeps_the_sms_busy_at_7b_and_1_5b() -> None:
     sms = 132  # an H100/H200
     for N, K in [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (2048, 1536), (17920, 1536), (1536, 8960)]:
@@ -171,7 +200,7 @@ results, calls = [], []
 real = layers.fp8_rows_product
 layers.fp8_rows_product = lambda *a: calls.append(1) or real(*a)
 for kernel in (False, True):
-    layers.fp8_kernel_unsupported = lambda device, kernel=kernel: None if kernel else "off"  # as on a GPU with Triton
+    layers.fp8_kernel_unsupported = lambda device, float8=True, kernel=kernel: None if kernel else "off"  # as on a GPU with Triton
     dec = StaticDecoder(model.eval(), sampling, [2], 0, prompt_multiple=8, fp8=True, compile=False)
     torch.manual_seed(3)
     results.append(dec.generate(prompts))

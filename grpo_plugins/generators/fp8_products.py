@@ -32,13 +32,14 @@ except ImportError:  # CPU-only torch builds ship without Triton
 MAX_ROWS = 128
 
 
-def fp8_kernel_unsupported(device: torch.device) -> str | None:
-    """Why :func:`fp8_rows_mm` cannot run on ``device`` (None: it can)."""
+def fp8_kernel_unsupported(device: torch.device, float8: bool = True) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can); ``float8=False``: for 16-bit
+    weights (:func:`run_rows_kernel`), which need no float8 tensor cores."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if triton is None:
         return "Triton is not installed"
-    if torch.cuda.get_device_capability(device) < (8, 9):
+    if float8 and torch.cuda.get_device_capability(device) < (8, 9):
         return "it needs float8 tensor cores (compute capability 8.9+)"
     return None
 
@@ -178,3 +179,24 @@ def fp8_rows_product(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, 
     """The (M, N) product through :func:`fp8_rows_mm`, its partial sums added in ``out_dtype``."""
     parts = fp8_rows_mm(x8, x_scale, w8, w_scale, out_dtype)
     return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(out_dtype)
+
+
+@torch.library.custom_op("grpo_plugins::rows_mm", mutates_args=())
+def rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`run_rows_kernel`'s partial sums (``reduce=False``) as an opaque op to
+    ``torch.compile``: (splits, M, N), added by the compiled caller where it consumes them."""
+    return run_rows_kernel(x, w, reduce=False)
+
+
+@rows_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> Any:
+    M, K = x.shape
+    N = w.shape[0]
+    split = _split(K, plan(M, N, K, _sms(x.device)))[2]
+    return x.new_empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32)
+
+
+def rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The (M, N) product ``x @ w^T`` through :func:`rows_mm`, its partial sums added in ``x``'s dtype."""
+    parts = rows_mm(x, w)
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(x.dtype)

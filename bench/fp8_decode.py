@@ -40,8 +40,8 @@ def _bf16_sweep_configs() -> list[dict[str, int]]:
     configs = []
     for block_n in (32, 64, 128):
         for block_k in (64, 128, 256):
-            for split in (1, 2, 4, 8):
-                for num_stages in (3, 4, 5):
+            for split in (1, 2, 4):
+                for num_stages in (3, 4):
                     for num_warps in (4, 8) if block_n == 128 else (4,):
                         configs.append({"block_n": block_n, "block_k": block_k, "split": split, "num_warps": num_warps, "num_stages": num_stages})
     return configs

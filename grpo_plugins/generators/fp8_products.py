@@ -133,7 +133,10 @@ def _launch(
     N = w.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the decode product kernel takes at most {MAX_ROWS} rows, not {M}")
-    settings = plan(M, N, K, _sms(x.device)) | (config or {})
+    settings = plan(M, N, K, _sms(x.device))
+    if scales is None:  # the plan's blocks are in float8 bytes: as many bytes of 16-bit values
+        settings["block_k"] //= 2
+    settings |= config or {}
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
     out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)

@@ -1,9 +1,8 @@
 """Times the float8 decode kernel (``grpo_plugins.generators.fp8_products``) against cuBLAS bf16
 (``F.linear``) and cuBLASLt float8 (``torch._scaled_mm``) on the fused projections of a decode
-step, and sweeps the kernel's launch settings per projection. ``--bf16``: the same kernel on
-bf16 weights (no scales) against ``F.linear``, the LM heads included.
+step, and sweeps the kernel's launch settings per projection.
 
-``python bench/fp8_decode.py [--rows 64] [--no-sweep] [--bf16]``
+``python bench/fp8_decode.py [--rows 64] [--no-sweep]``
 
 The kernel is timed without adding its partial sums over K (when it splits K): in the decode
 step that sum runs inside the compiled kernel that consumes the product. Each product is timed over enough copies of its weight (>= 256 MB in all) that the weights come
@@ -20,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from grpo_plugins.generators.fp8_products import plan, run_kernel, run_rows_kernel
+from grpo_plugins.generators.fp8_products import plan, run_kernel
 from grpo_plugins.generators.static_layers import quantize_rows
 
 #: (name, N, K) of the fused decode projections: q/k/v, o, gate/up, down.
@@ -28,61 +27,6 @@ SHAPES = {
     "qwen2.5-7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
     "qwen2.5-1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
 }
-#: The bf16 sweep's products: the fused projections of three sizes and their LM heads.
-BF16_SHAPES = {
-    "qwen2.5-0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864), ("lm_head", 151936, 896)],
-    "qwen2.5-1.5b": SHAPES["qwen2.5-1.5b"] + [("lm_head", 151936, 1536)],
-    "qwen2.5-7b": SHAPES["qwen2.5-7b"] + [("lm_head", 152064, 3584)],
-}
-
-
-def _bf16_sweep_configs() -> list[dict[str, int]]:
-    configs = []
-    for block_n in (32, 64, 128):
-        for block_k in (64, 128, 256):
-            for split in (1, 2, 4):
-                for num_stages in (3, 4):
-                    for num_warps in (4, 8) if block_n == 128 else (4,):
-                        configs.append({"block_n": block_n, "block_k": block_k, "split": split, "num_warps": num_warps, "num_stages": num_stages})
-    return configs
-
-
-def bf16_main(rows: int, sweep: bool) -> list[dict[str, Any]]:
-    """The kernel on bf16 weights against cuBLAS (``F.linear``), each product swept."""
-    results = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for model, shapes in BF16_SHAPES.items():
-        for name, N, K in shapes:
-            copies = max(2, -(-512 * 2**20 // (2 * N * K)))
-            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-            want = torch.nn.functional.linear(x.float(), ws[0].float())
-            got = run_rows_kernel(x, ws[0]).float()
-            err = float((got - want).abs().max() / want.abs().max())
-            cublas = _time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
-            ours = _time_us([lambda w=w: run_rows_kernel(x, w, reduce=False) for w in ws])
-            row: dict[str, Any] = {
-                "model": model, "product": name, "N": N, "K": K, "plan": plan(rows, N, K, sms), "rel_err": err,
-                "cublas_us": cublas, "kernel_us": ours, "cublas_TBps": 2 * N * K / cublas / 1e6, "kernel_TBps": 2 * N * K / ours / 1e6,
-            }
-            print(f"{model:13} {name:8} {N:6}x{K:<6} cuBLAS {cublas:6.1f} us ({row['cublas_TBps']:.2f} TB/s)  "
-                  f"kernel {ours:6.1f} ({row['kernel_TBps']:.2f}) {row['plan']}  rel err {err:.1e}", flush=True)
-            if sweep:
-                timed = []
-                for config in _bf16_sweep_configs():
-                    try:
-                        us = _time_us([lambda w=w: run_rows_kernel(x, w, config, reduce=False) for w in ws], repeats=10)
-                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                        continue
-                    timed.append((us, config))
-                timed.sort(key=lambda t: t[0])
-                row["best"] = [{"us": us, "TBps": 2 * N * K / us / 1e6, **c} for us, c in timed[:8]]
-                for best in row["best"][:3]:
-                    print(f"{'':22} {best['us']:6.1f} us ({best['TBps']:.2f} TB/s) {dict(list(best.items())[2:])}", flush=True)
-            results.append(row)
-            del ws
-            torch.cuda.empty_cache()
-    return results
 
 
 def _sweep_configs() -> list[dict[str, int]]:
@@ -119,18 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--no-sweep", action="store_true", help="time the planned launch only")
-    parser.add_argument("--bf16", action="store_true", help="the kernel on bf16 weights against cuBLAS bf16")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
-    if args.bf16:
-        results = bf16_main(args.rows, not args.no_sweep)
-        out = os.environ.get("OUT")
-        if out:
-            os.makedirs(out, exist_ok=True)
-            with open(os.path.join(out, "bf16_decode.json"), "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": args.rows, "products": results}, f, indent=1)
-        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for model, shapes in SHAPES.items():

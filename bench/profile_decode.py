@@ -53,7 +53,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
-    "kernel": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "product_kernel": True},
 }
 
 
@@ -66,7 +65,6 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
-        product_kernel=variant.get("product_kernel", False),
     )
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}

@@ -361,8 +361,8 @@ def test_release_cache_frees_the_cache_and_merged_copies_before_handing_memory_b
     merged: list[weakref.ref] = []
     merged_layer = static_decode.MergedLayer
 
-    def tracked_layer(layer: object, fp8: bool = False, product_kernel: bool = False) -> object:
-        copy = merged_layer(layer, fp8, product_kernel)
+    def tracked_layer(layer: object, fp8: bool = False) -> object:
+        copy = merged_layer(layer, fp8)
         merged.extend(weakref.ref(b) for b in copy.buffers())
         return copy
 

@@ -32,14 +32,13 @@ except ImportError:  # CPU-only torch builds ship without Triton
 MAX_ROWS = 128
 
 
-def fp8_kernel_unsupported(device: torch.device, float8: bool = True) -> str | None:
-    """Why the kernel cannot run on ``device`` (None: it can); ``float8=False``: for 16-bit
-    weights (:func:`run_rows_kernel`), which need no float8 tensor cores."""
+def fp8_kernel_unsupported(device: torch.device) -> str | None:
+    """Why :func:`fp8_rows_mm` cannot run on ``device`` (None: it can)."""
     if device.type != "cuda":
         return "it needs a CUDA device"
     if triton is None:
         return "Triton is not installed"
-    if float8 and torch.cuda.get_device_capability(device) < (8, 9):
+    if torch.cuda.get_device_capability(device) < (8, 9):
         return "it needs float8 tensor cores (compute capability 8.9+)"
     return None
 
@@ -47,10 +46,9 @@ def fp8_kernel_unsupported(device: torch.device, float8: bool = True) -> str | N
 if triton is not None:
 
     @triton.jit
-    def _rows_kernel(
+    def _fp8_rows_kernel(
         w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        SCALED: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -69,16 +67,11 @@ if triton is not None:
                 inside = (k0 + rk)[None, :] < K
                 w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
                 x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if SCALED:
-                # Hopper's float8 tensor cores add in reduced precision; promoting the sum to
-                # float32 after each block (as cuBLASLt does unless told to accumulate fast)
-                # keeps it exact.
-                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-        if SCALED:
-            acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
-            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
+            # Hopper's float8 tensor cores add in reduced precision; promoting the sum to float32
+            # after each block (as cuBLASLt does unless told to accumulate fast) keeps it exact.
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
+        acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
@@ -112,39 +105,21 @@ def run_kernel(
     ``reduce=False``: the (splits, M, N) partial sums over K instead (float32 when several, in
     ``out_dtype`` when one), for the caller to add where it can fuse the sum. ``config``
     (benchmarks): launch settings instead of :func:`plan`'s."""
-    return _launch(x8, w8, (x_scale, w_scale), out_dtype, config, reduce)
-
-
-def run_rows_kernel(
-    x: torch.Tensor, w: torch.Tensor, config: dict[str, int] | None = None, reduce: bool = True
-) -> torch.Tensor:
-    """``x @ w^T`` by the same kernel without scales: ``x`` (M, K), ``w`` (N, K) in one 16-bit
-    dtype, M <= 128, the products summed in float32; ``reduce``/``config`` as in :func:`run_kernel`."""
-    return _launch(x, w, None, x.dtype, config, reduce)
-
-
-def _launch(
-    x: torch.Tensor, w: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
-    config: dict[str, int] | None, reduce: bool,
-) -> torch.Tensor:
     if triton is None:
-        raise RuntimeError("the decode product kernel needs Triton")
-    M, K = x.shape
-    N = w.shape[0]
+        raise RuntimeError("the float8 decode kernel needs Triton")
+    M, K = x8.shape
+    N = w8.shape[0]
     if M > MAX_ROWS:
-        raise ValueError(f"the decode product kernel takes at most {MAX_ROWS} rows, not {M}")
-    settings = plan(M, N, K, _sms(x.device))
-    if scales is None:  # the plan's blocks are in float8 bytes: as many bytes of 16-bit values
-        settings["block_k"] //= 2
-    settings |= config or {}
+        raise ValueError(f"the float8 decode kernel takes at most {MAX_ROWS} rows, not {M}")
+    settings = plan(M, N, K, _sms(x8.device)) | (config or {})
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
-    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    x_scale, w_scale = (s.reshape(-1).contiguous() for s in scales) if scales is not None else (x, w)
-    _rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
-        w, x.contiguous(), w_scale, x_scale, out, M, N, K, k_per_split,
+    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x8.device)
+    _fp8_rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
+        w8, x8.contiguous(), w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous(), out,
+        M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
-        EVEN_K=K % k_per_split == 0, SCALED=scales is not None,
+        EVEN_K=K % k_per_split == 0,
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
     )
     if not reduce:
@@ -182,24 +157,3 @@ def fp8_rows_product(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, 
     """The (M, N) product through :func:`fp8_rows_mm`, its partial sums added in ``out_dtype``."""
     parts = fp8_rows_mm(x8, x_scale, w8, w_scale, out_dtype)
     return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(out_dtype)
-
-
-@torch.library.custom_op("grpo_plugins::rows_mm", mutates_args=())
-def rows_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """:func:`run_rows_kernel`'s partial sums (``reduce=False``) as an opaque op to
-    ``torch.compile``: (splits, M, N), added by the compiled caller where it consumes them."""
-    return run_rows_kernel(x, w, reduce=False)
-
-
-@rows_mm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> Any:
-    M, K = x.shape
-    N = w.shape[0]
-    split = _split(K, plan(M, N, K, _sms(x.device)))[2]
-    return x.new_empty((split, M, N), dtype=x.dtype if split == 1 else torch.float32)
-
-
-def rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The (M, N) product ``x @ w^T`` through :func:`rows_mm`, its partial sums added in ``x``'s dtype."""
-    parts = rows_mm(x, w)
-    return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(x.dtype)

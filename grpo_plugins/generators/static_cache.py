@@ -90,11 +90,6 @@ class StaticCacheGenerator(Generator):
             description="Compute the decode step's attention, with the new token's RoPE and cache writes, as one Triton kernel that reads the window's keys and values once, instead of torch operations (two batched products and a softmax; 7B LoRA on an H200: 5.7 instead of 6.7 ms per generated token). Default: on where it can run (a CUDA device with Triton, a bfloat16 or float16 model, head dimension a power of two from 16 to 256) and where it agrees with the torch operations in a check once per device; false keeps the torch operations.",
         )
 
-        product_kernel: bool = Field(
-            False,
-            description="Multiply the merged 16-bit projection copies by a decode batch (up to 128 rows) with the project's few-row Triton kernel (the float8 path's, without scales: the weight tiled by its rows, the batch in one tile, K split where the weight has few tiles) instead of cuBLAS. Needs merge_weights (on by default where it applies) and a CUDA device with Triton. Experimental: not yet measured faster.",
-        )
-
     samples_from_policy = True
     # Prompts with images: the vision-language model's own forward fills the cache, then the
     # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
@@ -154,7 +149,6 @@ class StaticCacheGenerator(Generator):
             max_batch_rows=self.params.max_batch_rows,
             fp8=self.params.fp8,
             fused_attention=self.params.fused_attention,
-            product_kernel=self.params.product_kernel,
         )
 
     @contextlib.contextmanager

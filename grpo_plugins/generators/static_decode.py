@@ -32,6 +32,7 @@ import torch
 
 from grpo_plugins.compile_cache import compile_region, compile_settings
 from grpo_plugins.errors import GRPOPluginsError
+from grpo_plugins.fp8_base import float8_unsupported
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.decode_attention import use_fused_attention
 from grpo_plugins.generators.static_layers import (
@@ -40,7 +41,9 @@ from grpo_plugins.generators.static_layers import (
     MergedLayer,
     UnsupportedModelError,
     check_supported,
-    resolve_merge_weights,
+    fused_copy_is_small,
+    has_lora,
+    merged_layers_supported,
 )
 from grpo_plugins.generators.static_steps import (
     DecodeState,
@@ -183,8 +186,6 @@ class StaticDecoder:
             (fused products: ~10% faster decoding at 0.5B-1.5B).
         fused_attention: the decode attention as one Triton kernel
             (:mod:`~grpo_plugins.generators.decode_attention`); None (auto): where it can run.
-        product_kernel: the merged 16-bit projections multiply decode batches by the few-row
-            Triton kernel of the float8 path instead of cuBLAS (needs ``merge_weights``).
     """
 
     def __init__(
@@ -207,7 +208,6 @@ class StaticDecoder:
         window_step: int = 128,
         fp8: bool = False,
         fused_attention: bool | None = None,
-        product_kernel: bool = False,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -228,10 +228,21 @@ class StaticDecoder:
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
         self._merged: list[MergedLayer] | None = None
-        merge_weights = resolve_merge_weights(self.parts, merge_weights, fp8, product_kernel)
+        reason = merged_layers_supported(self.parts)
+        if fp8:
+            if merge_weights is False:
+                raise GRPOPluginsError("generator 'static': fp8 decodes from merged weight copies; drop merge_weights: false")
+            merge_weights = True
+            unsupported = float8_unsupported(self.parts.embed.weight.device)
+            if unsupported is not None:
+                raise GRPOPluginsError(f"generator 'static': fp8 cannot run here: {unsupported}; set fp8: false")
+        if merge_weights is None:
+            merge_weights = reason is None and (has_lora(self.parts) or fused_copy_is_small(self.parts))
+        elif merge_weights and reason is not None:
+            what = "fp8" if fp8 else "merge_weights"
+            raise UnsupportedModelError(f"generator 'static': {what} needs mergeable layers, but {reason}")
         self.merge_weights = merge_weights
         self.fp8 = fp8
-        self.product_kernel = product_kernel
         self.parts = dataclasses.replace(self.parts, fused_attention=use_fused_attention(self.parts, fused_attention))
 
     # -- graphs ---------------------------------------------------------------------------------
@@ -319,7 +330,7 @@ class StaticDecoder:
         if not self.merge_weights:
             return self.parts
         if self._merged is None:
-            self._merged = [MergedLayer(layer, self.fp8, self.product_kernel) for layer in self.parts.layers]
+            self._merged = [MergedLayer(layer, self.fp8) for layer in self.parts.layers]
             extra = sum(b.numel() * b.element_size() for m in self._merged for b in m.buffers())
             logger.info(
                 "generator 'static': decoding from merged, fused copies of the projection weights (%.2f GiB)",

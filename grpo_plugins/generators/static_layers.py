@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.errors import GRPOPluginsError
-from grpo_plugins.fp8_base import Float8Linear, float8_unsupported, quantize_rows
+from grpo_plugins.fp8_base import Float8Linear, quantize_rows
 from grpo_plugins.generators.common import base_model
-from grpo_plugins.generators.fp8_products import MAX_ROWS as KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_product, rows_product
+from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_product
 from grpo_plugins.multimodal import placeholder_token_ids
 
 #: model_type values whose decoder layers this loop reproduces exactly.
@@ -165,19 +165,16 @@ class FusedLinear(torch.nn.Module):
     the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
     Decode batches (at most 128 rows) on a GPU with Triton go through a kernel made for few rows
     (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through ``_scaled_mm``.
-
-    ``product_kernel``: a 16-bit copy multiplies decode batches by that kernel (without scales)
-    instead of cuBLAS.
     """
 
-    def __init__(self, sources: list[Any], fp8: bool = False, product_kernel: bool = False) -> None:
+    def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
         bases = [m.get_base_layer() if _is_lora(m) else m for m in sources]
         w0 = bases[0].weight
         self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
         self.sources = list(sources)  # a plain list: not submodules of this view
         self.fp8 = fp8
-        self.rows_kernel = (fp8 or product_kernel) and fp8_kernel_unsupported(w0.device, float8=fp8) is None
+        self.rows_kernel = fp8 and fp8_kernel_unsupported(w0.device) is None
         shape = (sum(self.sizes), w0.shape[1])
         self.register_buffer("weight", torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else w0.dtype, device=w0.device))
         self.register_buffer("scale", torch.ones(1, shape[0], dtype=torch.float32, device=w0.device) if fp8 else None)
@@ -217,14 +214,9 @@ class FusedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
-            rows = x.reshape(-1, x.shape[-1])
-            if not self.rows_kernel or rows.shape[0] > KERNEL_ROWS:
-                return F.linear(x, self.weight, self.bias)
-            y = rows_product(rows, self.weight)
-            y = y if self.bias is None else y + self.bias
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return F.linear(x, self.weight, self.bias)
         x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        if self.rows_kernel and x8.shape[0] <= KERNEL_ROWS:
+        if self.rows_kernel and x8.shape[0] <= FP8_KERNEL_ROWS:
             y = fp8_rows_product(x8, scale, self.weight, self.scale, x.dtype)
         else:
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
@@ -234,20 +226,20 @@ class FusedLinear(torch.nn.Module):
 
 
 class _MergedAttention(torch.nn.Module):
-    def __init__(self, attn: Any, fp8: bool, product_kernel: bool) -> None:
+    def __init__(self, attn: Any, fp8: bool) -> None:
         super().__init__()
-        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fp8, product_kernel)
+        self.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fp8)
         self.qkv_sizes = self.qkv_proj.sizes
-        self.o_proj = FusedLinear([attn.o_proj], fp8, product_kernel)
+        self.o_proj = FusedLinear([attn.o_proj], fp8)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
 
 
 class _MergedMLP(torch.nn.Module):
-    def __init__(self, mlp: Any, fp8: bool, product_kernel: bool) -> None:
+    def __init__(self, mlp: Any, fp8: bool) -> None:
         super().__init__()
-        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj], fp8, product_kernel)
-        self.down_proj = FusedLinear([mlp.down_proj], fp8, product_kernel)
+        self.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj], fp8)
+        self.down_proj = FusedLinear([mlp.down_proj], fp8)
         self.act_fn = mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,14 +250,14 @@ class _MergedMLP(torch.nn.Module):
 class MergedLayer(torch.nn.Module):
     """What the decode loop reads of one decoder layer, with the projections replaced by
     :class:`FusedLinear` copies (q/k/v fused, gate/up fused, LoRA merged; float8 with ``fp8``);
-    the norms are the layer's own modules; ``product_kernel`` as in :class:`FusedLinear`."""
+    the norms are the layer's own modules."""
 
-    def __init__(self, layer: Any, fp8: bool = False, product_kernel: bool = False) -> None:
+    def __init__(self, layer: Any, fp8: bool = False) -> None:
         super().__init__()
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
-        self.self_attn = _MergedAttention(layer.self_attn, fp8, product_kernel)
-        self.mlp = _MergedMLP(layer.mlp, fp8, product_kernel)
+        self.self_attn = _MergedAttention(layer.self_attn, fp8)
+        self.mlp = _MergedMLP(layer.mlp, fp8)
 
     def refresh(self) -> None:
         for module in self.modules():
@@ -326,30 +318,3 @@ def fused_copy_is_small(parts: "DecoderParts") -> bool:
 def has_lora(parts: "DecoderParts") -> bool:
     """Whether any decoder layer carries a peft LoRA layer."""
     return any(_is_lora(m) for layer in parts.layers for m in layer.modules())
-
-
-def resolve_merge_weights(parts: "DecoderParts", merge_weights: bool | None, fp8: bool, product_kernel: bool) -> bool:
-    """The static decoder's ``merge_weights`` setting resolved (None: auto) and checked against
-    ``fp8`` and ``product_kernel``, which both decode from merged copies; a setting that cannot
-    hold here is an error naming it."""
-    reason = merged_layers_supported(parts)
-    device = parts.embed.weight.device
-    if fp8:
-        if merge_weights is False:
-            raise GRPOPluginsError("generator 'static': fp8 decodes from merged weight copies; drop merge_weights: false")
-        merge_weights = True
-        unsupported = float8_unsupported(device)
-        if unsupported is not None:
-            raise GRPOPluginsError(f"generator 'static': fp8 cannot run here: {unsupported}; set fp8: false")
-    if merge_weights is None:
-        merge_weights = reason is None and (has_lora(parts) or fused_copy_is_small(parts))
-    elif merge_weights and reason is not None:
-        what = "fp8" if fp8 else "merge_weights"
-        raise UnsupportedModelError(f"generator 'static': {what} needs mergeable layers, but {reason}")
-    if product_kernel:
-        if not merge_weights:
-            raise GRPOPluginsError("generator 'static': product_kernel multiplies merged weight copies; set merge_weights: true")
-        unsupported = fp8_kernel_unsupported(device, float8=False)
-        if unsupported is not None:
-            raise GRPOPluginsError(f"generator 'static': product_kernel cannot run here: {unsupported}; set product_kernel: false")
-    return merge_weights

@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from grpo_plugins.generators.fp8_products import plan, run_kernel
-from grpo_plugins.generators.static_layers import quantize_rows
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grpo_plugins.generators.fp8_products import plan, run_kernel  # noqa: E402
+from grpo_plugins.generators.static_layers import quantize_rows  # noqa: E402
 
 #: (name, N, K) of the fused decode projections: q/k/v, o, gate/up, down.
 SHAPES = {

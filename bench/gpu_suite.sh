@@ -10,7 +10,8 @@
 #                float32 master weights on and off                                     [needs vLLM]
 #   step         time and memory of each phase of the step, row chunks (profile_step.py)
 #   generator    the generators alone and the chunked log-probs (bench_generator.py)
-#   decode       the static generator's decode step, kernel by kernel (profile_decode.py)
+#   decode       the static generator's decode step, kernel by kernel (profile_decode.py), and its
+#                attention kernel alone over window lengths and splits (decode_attention.py)
 #   vllm         the vllm generator on real vLLM, and where its time goes               [needs vLLM]
 #   memory       memory per phase of a 0.4B LoRA step per memory setting; the garbage-collector
 #                freeze on and off; a drift profile (profile_memory.py)
@@ -50,7 +51,7 @@ cd "$(dirname "$0")/.."
 
 OUT_ROOT=""
 if [ "${1:-}" = "--out" ]; then OUT_ROOT=${2:?--out needs a folder}; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 PHASES="setup trl trl-vllm step generator decode vllm memory unsloth long example nonfinite lengths candidates fp8-learning vlm release all"
 for phase in "$@"; do  # every name checked before anything runs
   case " $PHASES " in *" $phase "*) ;; *) echo "unknown phase '$phase'; phases: $PHASES" >&2; exit 2 ;; esac
@@ -150,6 +151,9 @@ phase_decode() {
   run decode/7b-lora16 "$PY" bench/profile_decode.py --shape qwen2.5-7b --lora 16 --tokens 1024 --variants dynamic matmul fp8 \
     --repeats 2 --profile-steps 10
   run decode/fp8-products "$PY" bench/fp8_decode.py
+  run decode/1.5b-1024 "$PY" bench/profile_decode.py --shape qwen2.5-1.5b --tokens 1024 --variants dynamic matmul \
+    --repeats 1 --profile-steps 10
+  run decode/attention "$PY" bench/decode_attention.py
 }
 
 # Speed candidates not yet decided (bench/RESULTS.md, "Not measured yet"), shortest first.

@@ -87,13 +87,18 @@ for B, Hkv, G, D, S, W, cur in [(3, 2, 6, 64, 200, 130, 127), (2, 4, 7, 128, 80,
     bias[:, cur + 1 :] = float("-inf")  # slots not written yet
     bias[0, : min(70, cur) % W] = float("-inf")  # a left-padded row: its first block can be all masked
     index = torch.tensor([cur])
-    got_k, got_v = (c.clone() for c in caches)
-    got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125)
     want_k, want_v = (c.clone() for c in caches)
     want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
+    # The whole window in one program, and split over programs (the parts after the new token,
+    # and a padded row's first part, wholly masked) with their sums combined.
+    for splits in (None, 2, 3):
+        got_k, got_v = (c.clone() for c in caches)
+        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125, splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
+from grpo_plugins.generators.decode_attention import window_splits
+assert [window_splits(w) for w in (64, 256, 257, 576, 1088, 4096, 100000)] == [1, 1, 2, 3, 5, 16, 16]
 for D, G in [(16, 4), (128, 7)]:
     assert check_kernel(torch.device("cpu"), D, G, torch.float32) is None
 print("ok")

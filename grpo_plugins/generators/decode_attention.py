@@ -10,7 +10,10 @@ Two implementations of the decode layer's attention:
   holds the G query heads as G rows of one tile (padded to 16, the smallest ``tl.dot`` tile)
   while it keeps an online softmax over blocks of the window, reading each key and value once.
   It never reads back the slot it writes: the new token's score and value enter from
-  registers, so no load waits on a store. At 7B on an H200 the attention alone as one kernel
+  registers, so no load waits on a store. A long window is split over several programs per
+  (row, head) (:func:`window_splits`), each keeping its own softmax sums, which a second kernel
+  combines: one program's chain of block loads grows with the window, and at 64 rows there are
+  only rows x key/value heads programs to begin with (128 at 1.5B). At 7B on an H200 the attention alone as one kernel
   took 5.7 instead of 6.7 ms per token; the RoPE and cache writes it took over were three more
   kernels per layer (~5.8 us per layer at 1.5B).
 
@@ -40,6 +43,10 @@ except ImportError:  # CPU-only torch builds ship without Triton
 
 #: Keys per block of the kernel's loop over the window.
 BLOCK_W = 64
+#: Blocks one program walks before the window is split over more programs (flash-decoding), and
+#: the most programs per (row, key/value head).
+BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 16
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,24 +120,26 @@ def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.
     bias = torch.zeros(B, W, device=device)
     bias[:, W - 19 :] = float("-inf")  # slots after the new token
     bias[0, :70] = float("-inf")  # a left-padded row
-    try:
-        got_k, got_v = (c.clone() for c in caches)
-        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, head_dim**-0.5)
-        want_k, want_v = (c.clone() for c in caches)
-        want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, head_dim**-0.5)
-    except Exception as error:  # a Triton or driver that cannot build the kernel
-        return f"the kernel does not run ({type(error).__name__}: {error})"
+    want_k, want_v = (c.clone() for c in caches)
+    want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, head_dim**-0.5)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     others = torch.arange(S, device=device) != index
-    if not (torch.equal(got_k[:, :, others], want_k[:, :, others]) and torch.equal(got_v, want_v)):
-        return "the kernel changed other cache slots or values than the torch operations"
     # Fused multiply-adds may round the rotated key once where torch rounds twice: one step of
     # the cache's precision at most.
     step = 1e-5 if dtype == torch.float32 else 2**-7
-    if not torch.allclose(got_k[:, :, index].float(), want_k[:, :, index].float(), rtol=step, atol=step):
-        return "the kernel wrote other keys into the cache than the torch operations"
-    if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
-        return f"its attention differs from the torch operations' by {(got.float() - want.float()).abs().max().item():.3g}"
+    for splits in (1, 3):  # the window in one program, and over three with their sums combined
+        try:
+            got_k, got_v = (c.clone() for c in caches)
+            got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, head_dim**-0.5, splits=splits)
+        except Exception as error:  # a Triton or driver that cannot build the kernel
+            return f"the kernel does not run ({type(error).__name__}: {error})"
+        if not (torch.equal(got_k[:, :, others], want_k[:, :, others]) and torch.equal(got_v, want_v)):
+            return "the kernel changed other cache slots or values than the torch operations"
+        if not torch.allclose(got_k[:, :, index].float(), want_k[:, :, index].float(), rtol=step, atol=step):
+            return "the kernel wrote other keys into the cache than the torch operations"
+        if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+            difference = (got.float() - want.float()).abs().max().item()
+            return f"its attention ({splits} part(s) of the window) differs from the torch operations' by {difference:.3g}"
     return None
 
 
@@ -138,12 +147,15 @@ if triton is not None:
 
     @triton.jit
     def _rope_window_attention_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, W, scale,
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
+        W, per_split, scale,
         stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
         stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         b = pid // HKV
         h = pid % HKV
         rg = tl.arange(0, GP)
@@ -163,13 +175,15 @@ if triton is not None:
         cur = tl.load(index_ptr)
         k_base = kc_ptr + b * stride_kcb + h * stride_kch
         v_base = vc_ptr + b * stride_vcb + h * stride_vch
-        tl.store(k_base + cur * stride_kcs + rd, k_new)
-        tl.store(v_base + cur * stride_vcs + rd, v_new)
+        if split == 0:  # one program per (row, head) writes; no program reads the slot back
+            tl.store(k_base + cur * stride_kcs + rd, k_new)
+            tl.store(v_base + cur * stride_vcs + rd, v_new)
         score_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (GP,)
         m = tl.full((GP,), float("-inf"), tl.float32)
         total = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        for w0 in range(0, W, BLOCK):
+        start = split * per_split
+        for w0 in range(start, tl.minimum(start + per_split, W), BLOCK):
             rw = w0 + tl.arange(0, BLOCK)
             inside = rw < W
             stored = inside & (rw != cur)  # the slot written above is not read back
@@ -187,32 +201,81 @@ if triton is not None:
             p_new = tl.sum(tl.where((rw == cur)[None, :], p16.to(tl.float32), 0.0), 1)  # (GP,)
             acc = acc * alpha[:, None] + tl.dot(p16, v) + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m = m_new
-        tl.store(o_ptr + (b * HKV + h) * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live)
+        if SPLITS == 1:
+            tl.store(o_ptr + (b * HKV + h) * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live)
+        else:  # this part of the window's running max, sum and weighted values, for _combine_kernel
+            row = (pid * SPLITS + split) * GP + rg
+            tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=live)
+            tl.store(stat_ptr + 2 * row, m, mask=rg < G)
+            tl.store(stat_ptr + 2 * row + 1, total, mask=rg < G)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, part_ptr, stat_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+        pid = tl.program_id(0)
+        rg = tl.arange(0, GP)
+        rd = tl.arange(0, D)
+        live = rg < G
+        top = tl.full((GP,), float("-inf"), tl.float32)
+        for part in range(SPLITS):
+            top = tl.maximum(top, tl.load(stat_ptr + 2 * ((pid * SPLITS + part) * GP + rg), mask=live, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding lanes only: the new token keeps a live row finite
+        total = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        for part in range(SPLITS):
+            row = (pid * SPLITS + part) * GP + rg
+            weight = tl.exp(tl.load(stat_ptr + 2 * row, mask=live, other=float("-inf")) - top)  # 0 for an all-masked part
+            total += weight * tl.load(stat_ptr + 2 * row + 1, mask=live, other=0.0)
+            acc += weight[:, None] * tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=live[:, None], other=0.0)
+        tl.store(o_ptr + pid * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live[:, None])
+
+
+def window_splits(W: int, block: int = BLOCK_W) -> int:
+    """Programs per (row, key/value head) for a window of W slots: one program walks at most
+    :data:`BLOCKS_PER_SPLIT` blocks of it (at most :data:`MAX_SPLITS` programs), so a long
+    window is read by several programs at once instead of one program's chain of loads."""
+    blocks = -(-W // block)
+    return max(1, min(MAX_SPLITS, -(-blocks // BLOCKS_PER_SPLIT)))
 
 
 def run_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there)."""
+    """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
+    programs per (row, key/value head), each over its own part of the window, their partial
+    softmax sums then combined by a second kernel (None: :func:`window_splits`)."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
+    GP = max(16, triton.next_power_of_2(G))
     # Heads may sit inside a wider row (a view of the fused q/k/v product): one row stride each.
     q, k, v = (t if t.stride(2) == 1 and t.stride(1) == D else t.contiguous() for t in (q, k, v))
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's last dimension must be contiguous")
     bias = bias.float().contiguous()
+    W = bias.shape[1]
+    blocks = -(-W // BLOCK_W)
+    splits = min(splits or window_splits(W), blocks)
+    per_split = -(-blocks // splits) * BLOCK_W
+    splits = -(-W // per_split)  # no program without slots
     out = torch.empty(B, Hkv, G, D, dtype=q.dtype, device=q.device)
-    _rope_window_attention_kernel[(B * Hkv,)](
-        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, bias.shape[1], scale,
+    if splits > 1:
+        parts = torch.empty(B * Hkv * splits * GP, D, dtype=torch.float32, device=q.device)
+        stats = torch.empty(B * Hkv * splits * GP, 2, dtype=torch.float32, device=q.device)
+    else:
+        parts = stats = out  # not read
+    _rope_window_attention_kernel[(B * Hkv, splits)](
+        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=BLOCK_W,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=BLOCK_W, SPLITS=splits,
     )
+    if splits > 1:
+        _combine_kernel[(B * Hkv,)](out, parts, stats, G=G, GP=GP, D=D, SPLITS=splits)
     return out
 
 

@@ -148,11 +148,11 @@ if triton is not None:
     @triton.jit
     def _rope_window_attention_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
-        W, per_split, scale,
+        W, per_split, splits, scale,
         stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
         stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        SPLITS: tl.constexpr,
+        PARTIAL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -201,28 +201,28 @@ if triton is not None:
             p_new = tl.sum(tl.where((rw == cur)[None, :], p16.to(tl.float32), 0.0), 1)  # (GP,)
             acc = acc * alpha[:, None] + tl.dot(p16, v) + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m = m_new
-        if SPLITS == 1:
+        if not PARTIAL:
             tl.store(o_ptr + (b * HKV + h) * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live)
         else:  # this part of the window's running max, sum and weighted values, for _combine_kernel
-            row = (pid * SPLITS + split) * GP + rg
+            row = (pid * splits + split) * GP + rg
             tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=live)
             tl.store(stat_ptr + 2 * row, m, mask=rg < G)
             tl.store(stat_ptr + 2 * row + 1, total, mask=rg < G)
 
     @triton.jit
-    def _combine_kernel(o_ptr, part_ptr, stat_ptr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine_kernel(o_ptr, part_ptr, stat_ptr, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
         pid = tl.program_id(0)
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
         live = rg < G
         top = tl.full((GP,), float("-inf"), tl.float32)
-        for part in range(SPLITS):
-            top = tl.maximum(top, tl.load(stat_ptr + 2 * ((pid * SPLITS + part) * GP + rg), mask=live, other=float("-inf")))
+        for part in range(splits):
+            top = tl.maximum(top, tl.load(stat_ptr + 2 * ((pid * splits + part) * GP + rg), mask=live, other=float("-inf")))
         top = tl.where(top == float("-inf"), 0.0, top)  # padding lanes only: the new token keeps a live row finite
         total = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        for part in range(SPLITS):
-            row = (pid * SPLITS + part) * GP + rg
+        for part in range(splits):
+            row = (pid * splits + part) * GP + rg
             weight = tl.exp(tl.load(stat_ptr + 2 * row, mask=live, other=float("-inf")) - top)  # 0 for an all-masked part
             total += weight * tl.load(stat_ptr + 2 * row + 1, mask=live, other=0.0)
             acc += weight[:, None] * tl.load(part_ptr + row[:, None] * D + rd[None, :], mask=live[:, None], other=0.0)
@@ -269,13 +269,13 @@ def run_rope_kernel(
     else:
         parts = stats = out  # not read
     _rope_window_attention_kernel[(B * Hkv, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, scale,
+        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, splits, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=BLOCK_W, SPLITS=splits,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=BLOCK_W, PARTIAL=splits > 1,
     )
-    if splits > 1:
-        _combine_kernel[(B * Hkv,)](out, parts, stats, G=G, GP=GP, D=D, SPLITS=splits)
+    if splits > 1:  # the split count is a runtime argument: one compiled kernel for every window
+        _combine_kernel[(B * Hkv,)](out, parts, stats, splits, G=G, GP=GP, D=D)
     return out
 
 

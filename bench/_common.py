@@ -7,7 +7,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -150,3 +150,24 @@ def write_json(path: Path, data: Any) -> None:
 
 def out_dir() -> Path:
     return Path(os.environ.get("OUT", "outputs/bench"))
+
+
+def graph_time_us(calls: list[Callable[[], Any]], repeats: int = 30) -> float:
+    """Mean time in microseconds of one of ``calls`` (each on its own copy of the data, so that it
+    comes from memory rather than L2), all captured in one CUDA graph and replayed ``repeats``
+    times, as a decode step runs them."""
+    for fn in calls[:2]:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / repeats / len(calls)

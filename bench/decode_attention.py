@@ -17,35 +17,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import graph_time_us  # noqa: E402
+
 from grpo_plugins.generators.decode_attention import rope_window_attention, run_rope_kernel, window_splits  # noqa: E402
 
 #: (name, rows, query heads, key/value heads, head dim) of the benchmark shapes' decode batches.
 SHAPES = [("qwen2.5-0.5b", 64, 14, 2, 64), ("qwen2.5-1.5b", 64, 12, 2, 128), ("qwen2.5-7b", 64, 28, 4, 128), ("qwen2.5-7b", 16, 28, 4, 128)]
-
-
-def _time_us(calls: list[Callable[[], Any]], repeats: int = 20) -> float:
-    """Mean time of one of ``calls`` (each on its own layer's cache), replayed in a CUDA graph."""
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats / len(calls)
 
 
 def main() -> None:
@@ -69,10 +52,10 @@ def main() -> None:
             bias = torch.zeros(B, W, device=dev)
             scale = D**-0.5
             row: dict[str, Any] = {"shape": name, "rows": B, "window": W, "default_splits": window_splits(W), "kv_MB": kv_bytes / 1e6}
-            row["torch_us"] = _time_us([lambda c=c: rope_window_attention(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
-            row["default_us"] = _time_us([lambda c=c: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
+            row["torch_us"] = graph_time_us([lambda c=c: rope_window_attention(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
+            row["default_us"] = graph_time_us([lambda c=c: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
             for splits in args.splits:
-                row[f"splits{splits}_us"] = _time_us(
+                row[f"splits{splits}_us"] = graph_time_us(
                     [lambda c=c, s=splits: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, splits=s) for c in caches]
                 )
             fixed = "  ".join(f"{s}:{row[f'splits{s}_us']:.1f}" for s in args.splits)

@@ -17,11 +17,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import graph_time_us  # noqa: E402
 
 from grpo_plugins.generators.fp8_products import plan, run_kernel  # noqa: E402
 from grpo_plugins.generators.static_layers import quantize_rows  # noqa: E402
@@ -44,25 +46,6 @@ def _sweep_configs() -> list[dict[str, int]]:
     return configs
 
 
-def _time_us(calls: list[Callable[[], Any]], repeats: int = 30) -> float:
-    """Mean time of one of ``calls`` (each on its own weight copy), replayed in a CUDA graph."""
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats / len(calls)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -82,9 +65,9 @@ def main() -> None:
             want = torch._scaled_mm(x8, w8s[0][0].t(), scale_a=xs, scale_b=w8s[0][1].reshape(1, -1), out_dtype=torch.float32)
             got = run_kernel(x8, xs, w8s[0][0], w8s[0][1], torch.float32)
             err = float((got - want).abs().max() / want.abs().max())
-            bf16 = _time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
-            lt = _time_us([lambda q=q: torch._scaled_mm(x8, q[0].t(), scale_a=xs, scale_b=q[1].reshape(1, -1), out_dtype=torch.bfloat16) for q in w8s])
-            ours = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, reduce=False) for q in w8s])
+            bf16 = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+            lt = graph_time_us([lambda q=q: torch._scaled_mm(x8, q[0].t(), scale_a=xs, scale_b=q[1].reshape(1, -1), out_dtype=torch.bfloat16) for q in w8s])
+            ours = graph_time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, reduce=False) for q in w8s])
             row: dict[str, Any] = {
                 "model": model, "product": name, "N": N, "K": K, "plan": plan(args.rows, N, K, sms), "rel_err": err,
                 "bf16_us": bf16, "scaled_mm_us": lt, "kernel_us": ours,
@@ -100,7 +83,7 @@ def main() -> None:
                 timed = []
                 for config in _sweep_configs():
                     try:
-                        us = _time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, config, reduce=False) for q in w8s], repeats=10)
+                        us = graph_time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, config, reduce=False) for q in w8s], repeats=10)
                     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                         print(f"    {config}: {type(exc).__name__}", flush=True)
                         continue

@@ -192,3 +192,35 @@ def test_a_kernel_that_disagrees_on_this_device_is_turned_off_or_refused(
         assert len(checked) == 1  # once per device and head shape
     finally:
         decode_attention._kernel_fault.cache_clear()
+
+
+def _compile_for_hopper(kernel: object, signature: dict[str, str], constants: dict[str, object]) -> dict[str, object]:
+    """Compile a Triton kernel for an sm_90 GPU on this CPU-only machine (front end, lowering and
+    ptxas, no device): what the interpreter cannot show, such as a construct the compiler refuses."""
+    triton = pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {name: ("constexpr" if name in constants else signature[name]) for name in kernel.arg_names}  # type: ignore[attr-defined]
+    try:
+        compiled = triton.compile(ASTSource(kernel, full, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (ImportError, FileNotFoundError) as exc:  # a Triton build without the CUDA back end or ptxas
+        pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
+    return compiled.asm
+
+
+def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compilation, not a cached one
+    from grpo_plugins.generators import decode_attention as da
+
+    pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
+    for partial in (False, True):  # the window in one program; a part of it, sums left for the combine
+        signature = {
+            **pointers, "index_ptr": "*i64", "bias_ptr": "*fp32", "scale": "fp32",
+            "part_ptr": "*fp32" if partial else "*bf16", "stat_ptr": "*fp32" if partial else "*bf16",
+            **{name: "i32" for name in da._rope_window_attention_kernel.arg_names if name.startswith("stride") or name in ("W", "per_split", "splits")},
+        }
+        asm = _compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial})
+        assert "cubin" in asm and "ld.global" in str(asm["ptx"])
+    asm = _compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128})
+    assert "cubin" in asm

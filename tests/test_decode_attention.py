@@ -101,6 +101,29 @@ from grpo_plugins.generators.decode_attention import window_splits
 assert [window_splits(w) for w in (64, 256, 257, 576, 1088, 4096, 100000)] == [1, 1, 2, 3, 5, 16, 16]
 for D, G in [(16, 4), (128, 7)]:
     assert check_kernel(torch.device("cpu"), D, G, torch.float32) is None
+    assert check_kernel(torch.device("cpu"), D, G, torch.float32, splits=3) is None
+# A long window is split by default; where the split form failed its check, it is not.
+import grpo_plugins.generators.decode_attention as da
+B, Hkv, G, D, W = 1, 1, 2, 16, 600
+assert da._split_fault(torch.device("cpu"), D, G, torch.float32) is None  # the check at first use, done before the spy
+launched = []
+combine = da._combine_kernel
+class Spy:
+    def __getitem__(self, grid):
+        launched.append(grid)
+        return combine[grid]
+da._combine_kernel = Spy()
+q, k, v = torch.randn(B, Hkv * G, D), torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)
+cos, sin = torch.ones(B, D), torch.zeros(B, D)
+cache = [torch.randn(B, Hkv, W, D) for _ in range(2)]
+bias, index = torch.zeros(B, W), torch.tensor([W - 1])
+want = rope_window_attention(q, k, v, cos, sin, *(c.clone() for c in cache), index, bias, 0.25)
+assert da.window_splits(W) == 3
+torch.testing.assert_close(run_rope_kernel(q, k, v, cos, sin, *(c.clone() for c in cache), index, bias, 0.25), want, rtol=1e-4, atol=1e-4)
+assert len(launched) == 1, launched  # split, and combined
+da._split_fault = lambda *args: "a failed check"
+torch.testing.assert_close(run_rope_kernel(q, k, v, cos, sin, *(c.clone() for c in cache), index, bias, 0.25), want, rtol=1e-4, atol=1e-4)
+assert len(launched) == 1, launched  # one program per window: nothing to combine
 print("ok")
 """
 

@@ -89,6 +89,8 @@ def use_fused_attention(parts: Any, wanted: bool | None) -> bool:
     unsupported = fused_attention_unsupported(weight.device, parts.head_dim, groups, weight.dtype)
     if unsupported is None and wanted is not False:
         unsupported = _kernel_fault(weight.device, parts.head_dim, groups, weight.dtype)
+        if unsupported is None:  # checked here, before any graph capture: run_rope_kernel reads it
+            _split_fault(weight.device, parts.head_dim, groups, weight.dtype)
     if wanted and unsupported is not None:
         raise GRPOPluginsError(f"generator 'static': fused_attention cannot run here: {unsupported}; set fused_attention: false")
     return unsupported is None if wanted is None else wanted
@@ -104,8 +106,19 @@ def _kernel_fault(device: torch.device, head_dim: int, groups: int, dtype: torch
     return fault
 
 
-def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype) -> str | None:
-    """Run the kernel and the torch operations on the same inputs; a message if they differ."""
+@functools.cache
+def _split_fault(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype) -> str | None:
+    """Why a window split over several programs cannot be trusted (None: it agrees with the
+    torch operations); without it every window stays in one program. Checked once."""
+    fault = check_kernel(device, head_dim, groups, dtype, splits=3)
+    if fault is not None:
+        logger.warning("the fused decode attention keeps each window in one program on %s: %s", device, fault)
+    return fault
+
+
+def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.dtype, splits: int = 1) -> str | None:
+    """Run the kernel (the window in ``splits`` parts) and the torch operations on the same
+    inputs; a message if they differ."""
     B, Hkv, S, W = 3, 2, 200, 150
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -127,19 +140,18 @@ def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.
     # Fused multiply-adds may round the rotated key once where torch rounds twice: one step of
     # the cache's precision at most.
     step = 1e-5 if dtype == torch.float32 else 2**-7
-    for splits in (1, 3):  # the window in one program, and over three with their sums combined
-        try:
-            got_k, got_v = (c.clone() for c in caches)
-            got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, head_dim**-0.5, splits=splits)
-        except Exception as error:  # a Triton or driver that cannot build the kernel
-            return f"the kernel does not run ({type(error).__name__}: {error})"
-        if not (torch.equal(got_k[:, :, others], want_k[:, :, others]) and torch.equal(got_v, want_v)):
-            return "the kernel changed other cache slots or values than the torch operations"
-        if not torch.allclose(got_k[:, :, index].float(), want_k[:, :, index].float(), rtol=step, atol=step):
-            return "the kernel wrote other keys into the cache than the torch operations"
-        if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
-            difference = (got.float() - want.float()).abs().max().item()
-            return f"its attention ({splits} part(s) of the window) differs from the torch operations' by {difference:.3g}"
+    try:
+        got_k, got_v = (c.clone() for c in caches)
+        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, head_dim**-0.5, splits=splits)
+    except Exception as error:  # a Triton or driver that cannot build the kernel
+        return f"the kernel does not run ({type(error).__name__}: {error})"
+    if not (torch.equal(got_k[:, :, others], want_k[:, :, others]) and torch.equal(got_v, want_v)):
+        return "the kernel changed other cache slots or values than the torch operations"
+    if not torch.allclose(got_k[:, :, index].float(), want_k[:, :, index].float(), rtol=step, atol=step):
+        return "the kernel wrote other keys into the cache than the torch operations"
+    if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+        difference = (got.float() - want.float()).abs().max().item()
+        return f"its attention ({splits} part(s) of the window) differs from the torch operations' by {difference:.3g}"
     return None
 
 
@@ -244,7 +256,8 @@ def run_rope_kernel(
 ) -> torch.Tensor:
     """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
     programs per (row, key/value head), each over its own part of the window, their partial
-    softmax sums then combined by a second kernel (None: :func:`window_splits`)."""
+    softmax sums then combined by a second kernel (None: :func:`window_splits`, where the split
+    form passed its check on this device)."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
@@ -259,7 +272,11 @@ def run_rope_kernel(
     bias = bias.float().contiguous()
     W = bias.shape[1]
     blocks = -(-W // BLOCK_W)
-    splits = min(splits or window_splits(W), blocks)
+    if splits is None:
+        splits = window_splits(W)
+        if splits > 1 and _split_fault(q.device, D, G, q.dtype) is not None:
+            splits = 1
+    splits = min(splits, blocks)
     per_split = -(-blocks // splits) * BLOCK_W
     splits = -(-W // per_split)  # no program without slots
     out = torch.empty(B, Hkv, G, D, dtype=q.dtype, device=q.device)

@@ -10,12 +10,12 @@ Two implementations of the decode layer's attention:
   holds the G query heads as G rows of one tile (padded to 16, the smallest ``tl.dot`` tile)
   while it keeps an online softmax over blocks of the window, reading each key and value once.
   It never reads back the slot it writes: the new token's score and value enter from
-  registers, so no load waits on a store. A long window is split over several programs per
-  (row, head) (:func:`window_splits`), each keeping its own softmax sums, which a second kernel
-  combines: one program's chain of block loads grows with the window, and at 64 rows there are
-  only rows x key/value heads programs to begin with (128 at 1.5B). At 7B on an H200 the attention alone as one kernel
+  registers, so no load waits on a store. At 7B on an H200 the attention alone as one kernel
   took 5.7 instead of 6.7 ms per token; the RoPE and cache writes it took over were three more
-  kernels per layer (~5.8 us per layer at 1.5B).
+  kernels per layer (~5.8 us per layer at 1.5B). A long window is split over several programs
+  per (row, head) (:func:`window_splits`), each keeping its own softmax sums, which a second
+  kernel combines: one program's chain of block loads grows with the window, and at 64 rows
+  there are only rows x key/value heads programs to begin with (128 at 1.5B).
 
 The kernel computes the scores in float32 where the products compute them in the model's
 dtype; the probabilities enter the value product in the model's dtype in both. Because a GPU

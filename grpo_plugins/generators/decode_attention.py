@@ -241,11 +241,11 @@ if triton is not None:
         tl.store(o_ptr + pid * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live[:, None])
 
 
-def window_splits(W: int, block: int = BLOCK_W) -> int:
+def window_splits(W: int) -> int:
     """Programs per (row, key/value head) for a window of W slots: one program walks at most
     :data:`BLOCKS_PER_SPLIT` blocks of it (at most :data:`MAX_SPLITS` programs), so a long
     window is read by several programs at once instead of one program's chain of loads."""
-    blocks = -(-W // block)
+    blocks = -(-W // BLOCK_W)
     return max(1, min(MAX_SPLITS, -(-blocks // BLOCKS_PER_SPLIT)))
 
 

@@ -18,6 +18,7 @@ from grpo_plugins.generators.static_decode import StaticDecoder
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
 from grpo_plugins.testing.tiny import tiny_model_spec
+from triton_compile import compile_for_hopper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,22 +223,7 @@ def test_a_kernel_that_disagrees_on_this_device_is_turned_off_or_refused(
         decode_attention._kernel_fault.cache_clear()
 
 
-def _compile_for_hopper(kernel: object, signature: dict[str, str], constants: dict[str, object]) -> dict[str, object]:
-    """Compile a Triton kernel for an sm_90 GPU on this CPU-only machine (front end, lowering and
-    ptxas, no device): what the interpreter cannot show, such as a construct the compiler refuses."""
-    triton = pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    full = {name: ("constexpr" if name in constants else signature[name]) for name in kernel.arg_names}  # type: ignore[attr-defined]
-    try:
-        compiled = triton.compile(ASTSource(kernel, full, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except (ImportError, FileNotFoundError) as exc:  # a Triton build without the CUDA back end or ptxas
-        pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
-    return compiled.asm
-
-
-def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_attention_kernelscompile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compilation, not a cached one
     from grpo_plugins.generators import decode_attention as da
 
@@ -248,7 +234,7 @@ def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: p
             "part_ptr": "*fp32" if partial else "*bf16", "stat_ptr": "*fp32" if partial else "*bf16",
             **{name: "i32" for name in da._rope_window_attention_kernel.arg_names if name.startswith("stride") or name in ("W", "per_split", "splits")},
         }
-        asm = _compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial})
+        asm = compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial})
         assert "cubin" in asm and "ld.global" in str(asm["ptx"])
-    asm = _compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128})
+    asm = compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128})
     assert "cubin" in asm

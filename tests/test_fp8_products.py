@@ -167,3 +167,23 @@ def test_a_float8_decode_through_the_kernel_samples_what_scaled_mm_samples(tmp_p
         [sys.executable, "-c", DECODE_CHECK, str(ROOT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_the_float8_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode product kernel and the float8-base merge kernel compile for sm_90 (float8
+    tensor cores) on this CPU-only machine, for the launch settings the plan uses."""
+    from triton_compile import compile_for_hopper
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compilation, not a cached one
+    from grpo_plugins import fp8_rounding
+    from grpo_plugins.generators import fp8_products
+
+    rows = {"w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*bf16",
+            "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+    for block_n, block_k in [(128, 128), (64, 256)]:
+        asm = compile_for_hopper(fp8_products._fp8_rows_kernel, rows, {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": True})
+        assert "cubin" in asm and "e4m3" in str(asm["ptx"])  # float8 products on the tensor cores
+    merge = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "delta_ptr": "*fp32", "out_ptr": "*u8", "out_scale_ptr": "*fp32",
+             "N": "i32", "K": "i32", "seed_mix": "i64"}
+    for has_delta in (False, True):
+        assert "cubin" in compile_for_hopper(fp8_rounding._merge_rows_kernel, merge, {"HAS_DELTA": has_delta, "BLOCK_R": 4, "BLOCK_K": 512})

@@ -223,7 +223,7 @@ def test_a_kernel_that_disagrees_on_this_device_is_turned_off_or_refused(
         decode_attention._kernel_fault.cache_clear()
 
 
-def test_the_attention_kernelscompile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a real compilation, not a cached one
     from grpo_plugins.generators import decode_attention as da
 

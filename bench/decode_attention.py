@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import graph_time_us  # noqa: E402
 
-from grpo_plugins.generators.decode_attention import rope_window_attention, run_rope_kernel, window_splits  # noqa: E402
+from grpo_plugins.generators.decode_attention import multiprocessors, rope_window_attention, run_rope_kernel, window_splits  # noqa: E402
 
 #: (name, rows, query heads, key/value heads, head dim) of the benchmark shapes' decode batches.
 SHAPES = [("qwen2.5-0.5b", 64, 14, 2, 64), ("qwen2.5-1.5b", 64, 12, 2, 128), ("qwen2.5-7b", 64, 28, 4, 128), ("qwen2.5-7b", 16, 28, 4, 128)]
@@ -51,7 +51,7 @@ def main() -> None:
             index = torch.tensor([W - 1], device=dev)
             bias = torch.zeros(B, W, device=dev)
             scale = D**-0.5
-            row: dict[str, Any] = {"shape": name, "rows": B, "window": W, "default_splits": window_splits(W), "kv_MB": kv_bytes / 1e6}
+            row: dict[str, Any] = {"shape": name, "rows": B, "window": W, "default_splits": window_splits(W, B * Hkv * D, multiprocessors(torch.device(dev))), "kv_MB": kv_bytes / 1e6}
             row["torch_us"] = graph_time_us([lambda c=c: rope_window_attention(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
             row["default_us"] = graph_time_us([lambda c=c: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale) for c in caches])
             for splits in args.splits:

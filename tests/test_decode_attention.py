@@ -99,7 +99,13 @@ for B, Hkv, G, D, S, W, cur in [(3, 2, 6, 64, 200, 130, 127), (2, 4, 7, 128, 80,
         torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
         assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
 from grpo_plugins.generators.decode_attention import window_splits
-assert [window_splits(w) for w in (64, 256, 257, 576, 1088, 4096, 100000)] == [1, 1, 2, 3, 5, 16, 16]
+# Split only long windows, and only until the programs fill the GPU: as measured on an H100 (132
+# multiprocessors), 64 rows x 2 heads of dim 128 unsplit, of dim 64 in two parts.
+assert [window_splits(w, 64 * 2 * 128, 132) for w in (64, 256, 1088, 8192)] == [1, 1, 1, 1]
+assert [window_splits(w, 64 * 2 * 64, 132) for w in (64, 256, 257, 1088, 8192)] == [1, 1, 2, 2, 2]
+assert [window_splits(w, 16 * 4 * 128, 132) for w in (512, 4096)] == [2, 2]
+# One row: as many parts as the window has pairs of blocks, at most MAX_SPLITS.
+assert [window_splits(w, 2 * 64, 132) for w in (257, 576, 1088, 100000)] == [2, 4, 8, 16]
 for D, G in [(16, 4), (128, 7)]:
     assert check_kernel(torch.device("cpu"), D, G, torch.float32) is None
     assert check_kernel(torch.device("cpu"), D, G, torch.float32, splits=3) is None
@@ -119,7 +125,7 @@ cos, sin = torch.ones(B, D), torch.zeros(B, D)
 cache = [torch.randn(B, Hkv, W, D) for _ in range(2)]
 bias, index = torch.zeros(B, W), torch.tensor([W - 1])
 want = rope_window_attention(q, k, v, cos, sin, *(c.clone() for c in cache), index, bias, 0.25)
-assert da.window_splits(W) == 3
+assert da.window_splits(W, B * Hkv * D, da.multiprocessors(q.device)) == 5
 torch.testing.assert_close(run_rope_kernel(q, k, v, cos, sin, *(c.clone() for c in cache), index, bias, 0.25), want, rtol=1e-4, atol=1e-4)
 assert len(launched) == 1, launched  # split, and combined
 da._split_fault = lambda *args: "a failed check"
@@ -176,12 +182,12 @@ import grpo_plugins.generators.decode_attention as da
 results = []
 for fused, block in ((False, None), (True, None), (True, 16)):
     if block:  # 16-slot blocks, one per program: these short windows are split over 2 programs
-        da.BLOCK_W, da.BLOCKS_PER_SPLIT = block, 1
+        da.BLOCK_W, da.BLOCKS_PER_SPLIT, da.MIN_BLOCKS_PER_SPLIT = block, 1, 1
     dec = StaticDecoder(model.eval(), sampling, [2], 0, prompt_multiple=8, window_step=8)
     dec.parts = dataclasses.replace(dec.parts, fused_attention=fused)  # auto turns it off on a CPU
     torch.manual_seed(3)
     results.append(dec.generate(prompts))
-assert da.window_splits(27) == 2 and da._split_fault(torch.device("cpu"), 16, 4, torch.float32) is None  # so it did split
+assert da.window_splits(27, 4 * 1 * 16, 132) == 2 and da._split_fault(torch.device("cpu"), 16, 4, torch.float32) is None  # so it did split
 (ids0, mask0, trunc0, logps0) = results[0]
 for ids1, mask1, trunc1, logps1 in results[1:]:
     assert torch.equal(ids0, ids1) and torch.equal(mask0, mask1) and torch.equal(trunc0, trunc1)

@@ -43,10 +43,17 @@ except ImportError:  # CPU-only torch builds ship without Triton
 
 #: Keys per block of the kernel's loop over the window.
 BLOCK_W = 64
-#: Blocks one program walks before the window is split over more programs (flash-decoding), and
-#: the most programs per (row, key/value head).
+#: Windows of at most this many blocks stay in one program; longer ones may be split over several
+#: programs (flash-decoding), each walking at least MIN_BLOCKS_PER_SPLIT blocks, at most
+#: MAX_SPLITS programs per (row, key/value head).
 BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SPLIT = 2
 MAX_SPLITS = 16
+#: Head-dimension lanes (programs x head_dim) per streaming multiprocessor that keep the cache
+#: reads at full speed. Measured on an H100 (bench/decode_attention.py): 128 programs of head
+#: dim 128 read a long window fastest unsplit; 128 programs of head dim 64, or 64 of 128, read
+#: it fastest in two parts; further splits only add the combine's cost.
+LANES_PER_SM = 120
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -241,12 +248,26 @@ if triton is not None:
         tl.store(o_ptr + pid * G * D + rg[:, None] * D + rd[None, :], acc / total[:, None], mask=live[:, None])
 
 
-def window_splits(W: int) -> int:
-    """Programs per (row, key/value head) for a window of W slots: one program walks at most
-    :data:`BLOCKS_PER_SPLIT` blocks of it (at most :data:`MAX_SPLITS` programs), so a long
-    window is read by several programs at once instead of one program's chain of loads."""
+def window_splits(W: int, lanes: int, sms: int) -> int:
+    """Programs per (row, key/value head) for a window of W slots, where ``lanes`` is rows x
+    key/value heads x head dim and the GPU has ``sms`` multiprocessors: a window longer than
+    :data:`BLOCKS_PER_SPLIT` blocks is split until the programs fill the GPU
+    (:data:`LANES_PER_SM`), so that few (row, head) pairs still read their windows at once,
+    each part at least :data:`MIN_BLOCKS_PER_SPLIT` blocks."""
     blocks = -(-W // BLOCK_W)
-    return max(1, min(MAX_SPLITS, -(-blocks // BLOCKS_PER_SPLIT)))
+    if blocks <= BLOCKS_PER_SPLIT:
+        return 1
+    wanted = -(-sms * LANES_PER_SM // max(1, lanes))
+    return max(1, min(MAX_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT, wanted))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (an H100's 132 where there is no CUDA device:
+    the CPU tests, through Triton's interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def run_rope_kernel(
@@ -273,7 +294,7 @@ def run_rope_kernel(
     W = bias.shape[1]
     blocks = -(-W // BLOCK_W)
     if splits is None:
-        splits = window_splits(W)
+        splits = window_splits(W, B * Hkv * D, multiprocessors(q.device))
         if splits > 1 and _split_fault(q.device, D, G, q.dtype) is not None:
             splits = 1
     splits = min(splits, blocks)

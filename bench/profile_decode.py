@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -137,10 +138,14 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model.train()
     dec = _decoder(model, args.tokens, VARIANTS[name])
     prompts = [list(range(10, 10 + args.prompt)) for _ in range(args.rows)]
+    torch.manual_seed(0)
     t0 = time.perf_counter()
-    dec.generate(prompts)
+    first = dec.generate(prompts)
     sync()
     first_s = time.perf_counter() - t0
+    # The same model and seed in every variant: variants that compute the same numbers sample the
+    # same tokens (a check that e.g. a launch setting changed no result).
+    digest = hashlib.sha256(first[0].cpu().numpy().tobytes()).hexdigest()[:16]
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -149,6 +154,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     record: dict[str, Any] = {
         "first_generate_s": first_s,
+        "tokens_digest": digest,
         "generate_s": sorted(times)[len(times) // 2],
         "ms_per_token": 1000 * sorted(times)[len(times) // 2] / args.tokens,
         "outside_decode_s": _time_outside_decode(dec, prompts),
@@ -224,6 +230,9 @@ def main() -> None:
         write_json(path, results)
         summary = {k: v for k, v in results[name].items() if not isinstance(v, dict)}
         print(name, summary, flush=True)
+        digests = {v.get("tokens_digest") for k, v in results.items() if k in VARIANTS and "tokens_digest" in v}
+        if len(results) > 3:
+            print(f"  tokens {'the same as' if len(digests) == 1 else 'NOT all the same as'} the variants before", flush=True)
         for part in ("graph_replay", "no_graph"):
             table = results[name].get(part)
             if table:

@@ -11,7 +11,8 @@ division by the temperature.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,18 +46,24 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
-def left_aligned(input_ids: Tensor, attention_mask: Tensor, completion_width: int) -> tuple[Tensor, Tensor] | None:
+def left_aligned(
+    input_ids: Tensor, attention_mask: Tensor, completion_width: int, one_run: bool | None = None
+) -> tuple[Tensor, Tensor] | None:
     """Each row's tokens moved to its start, its padding to its end: ``(ids, shift)`` with
     ``ids[b, i] = input_ids[b, i + shift[b]]``. None unless every row's attended tokens are one
     contiguous run that starts before the last ``completion_width`` columns (a prompt token
-    predicts the first completion token). One host sync."""
+    predicts the first completion token): checked with one host sync, unless ``one_run`` says
+    (the caller knows the rows' layout: :class:`~grpo_plugins.policy.RowLayout`)."""
+    if one_run is False:
+        return None
     att = attention_mask.bool()
     L = att.shape[1]
     first = att.int().argmax(-1)  # (B,) the first attended column
-    last = L - 1 - att.flip(-1).int().argmax(-1)  # (B,) the last
-    fits = (last - first + 1 == att.sum(-1)) & (first < L - completion_width)
-    if not bool(fits.all()):
-        return None
+    if one_run is None:
+        last = L - 1 - att.flip(-1).int().argmax(-1)  # (B,) the last
+        fits = (last - first + 1 == att.sum(-1)) & (first < L - completion_width)
+        if not bool(fits.all()):
+            return None
     cols = (torch.arange(L, device=input_ids.device) + first[:, None]) % L  # (B, L)
     return input_ids.gather(1, cols), first
 
@@ -75,6 +82,33 @@ def _mask_free_attention_pays(model: Any, input_ids: Tensor) -> bool:
     if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half:
         return True
     return model.get_input_embeddings().weight.dtype in half
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row() -> Iterator[None]:
+    """Inside the block transformers' mask builder takes every row for one sequence. Without a
+    padding mask it looks for packed rows (several sequences told apart by restarting positions)
+    with a host synchronisation per forward, which drains the GPU's queue before every pass;
+    rows moved to their start (:func:`left_aligned`) have positions 0..L-1, where its check
+    finds no packing (returns None) - so the answer is known without asking the device."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # pragma: no cover - transformers without the mask builder
+        yield
+        return
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = _no_packing
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
+def _no_packing(position_ids: Tensor) -> None:
+    return None
 
 
 def _causal_lm(model: Any) -> Any:
@@ -199,6 +233,7 @@ def _completion_logps_unwrapped(
     with_entropy: bool | str,
     chunk_fn: ChunkFn | None,
     inputs: Mapping[str, Tensor] | None = None,
+    one_run: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     lm = _causal_lm(model)
     head = model.get_output_embeddings()
@@ -216,13 +251,15 @@ def _completion_logps_unwrapped(
         # padding mask: causal attention over the prefix reads real tokens only, and what the
         # trailing padding computes is never read. Same positions, same results.
         if _mask_free_attention_pays(model, input_ids):
-            aligned = left_aligned(input_ids, attention_mask, logits_to_keep)
+            aligned = left_aligned(input_ids, attention_mask, logits_to_keep, one_run)
         if aligned is None:
             ids, att, positions = input_ids, attention_mask, position_ids_from_mask(attention_mask)
+            out = model.get_decoder()(input_ids=ids, attention_mask=att, position_ids=positions, use_cache=False)
         else:
-            ids, att = aligned[0], None
+            ids = aligned[0]
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        out = model.get_decoder()(input_ids=ids, attention_mask=att, position_ids=positions, use_cache=False)
+            with _one_sequence_per_row():
+                out = model.get_decoder()(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, H)
     # Position i predicts token i + 1: the T completion tokens come from positions -T-1 .. -2
     # (shifted left by a row's prompt padding when its tokens were moved to the start).
@@ -257,6 +294,7 @@ def completion_logps(
     with_entropy: bool | str = False,
     chunk_fn: ChunkFn | None = None,
     inputs: Mapping[str, Tensor] | None = None,
+    one_run: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropy) of the last ``logits_to_keep`` tokens of each row.
 
@@ -272,6 +310,9 @@ def completion_logps(
         chunk_fn: computes one chunk of the log-softmax (see :func:`chunked_selective_logps`).
         inputs: a vision-language model's image inputs of the rows
             (:func:`~grpo_plugins.multimodal.collate`); empty or None for text.
+        one_run: whether every row's attended tokens are one contiguous run from its prompt on,
+            when the caller knows (:class:`~grpo_plugins.policy.RowLayout`); None: checked here,
+            with a host synchronisation.
 
     Returns:
         (B, T) log-probs, and (B, T) entropy or None, in float32 (float64 for a float64 model).
@@ -290,12 +331,12 @@ def completion_logps(
         )
     args = (logits_to_keep, temperature, chunk_size, with_entropy, chunk_fn)
     if not isinstance(model, _WRAPPER_TYPES + _fsdp_types()):
-        return _completion_logps_unwrapped(model, input_ids, attention_mask, *args, inputs)
+        return _completion_logps_unwrapped(model, input_ids, attention_mask, *args, inputs, one_run)
 
     inner = getattr(model, "module", model)  # DDP/FSDP1 wrap the model; FSDP2 hooks it in place
 
     def forward(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        logps, entropy = _completion_logps_unwrapped(inner, input_ids, attention_mask, *args, inputs)
+        logps, entropy = _completion_logps_unwrapped(inner, input_ids, attention_mask, *args, inputs, one_run)
         # Not views: FSDP2 hooks the backward of a module's outputs, which a view would lose.
         return logps.clone(), entropy.clone() if entropy is not None else None
 

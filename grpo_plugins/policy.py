@@ -94,6 +94,14 @@ def trim_padding(
     t = min(T, max(min_t, int(comp.sum(1).max()) if comp.numel() else 1))
     prompt_any = attention_mask[:, :P].any(0)  # (P,)
     first = int(prompt_any.float().argmax()) if bool(prompt_any.any()) else P
+    ids, mask = _trim_to(input_ids, attention_mask, T, multiple, t, first)
+    return ids, mask, t
+
+
+def _trim_to(input_ids: Tensor, attention_mask: Tensor, T: int, multiple: int, t: int, first: int) -> tuple[Tensor, Tensor]:
+    """:func:`trim_padding`'s cut, given the completion columns to keep and the first prompt
+    column any row attends (host integers: no synchronisation with the device)."""
+    P = input_ids.shape[1] - T
     first = min(first, max(P - 1, 0))
     end = P + t
     extra = -(end - first) % multiple
@@ -103,7 +111,44 @@ def trim_padding(
         pad = extra - reuse
         ids = torch.cat([ids.new_zeros(ids.shape[0], pad), ids], dim=1)
         mask = torch.cat([mask.new_zeros(mask.shape[0], pad), mask], dim=1)
-    return ids, mask, t
+    return ids, mask
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each row's tokens sit, read from the device once per micro-batch so that cutting
+    its passes needs no further synchronisation (one per pass would drain the GPU's queue
+    before every forward).
+
+    Attributes:
+        prompt: attended prompt tokens per row.
+        completion: attended completion tokens per row.
+        prompt_start: the first attended prompt column per row (P when it has none).
+        one_run: the row's tokens are one contiguous run that starts in its prompt, so moving
+            them to the row's start needs no padding mask (:func:`~grpo_plugins.logprobs.left_aligned`).
+    """
+
+    prompt: list[int]
+    completion: list[int]
+    prompt_start: list[int]
+    one_run: list[bool]
+
+    @classmethod
+    def of(cls, attention_mask: Tensor, T: int) -> RowLayout:
+        att = attention_mask.bool()
+        B, L = att.shape
+        P = L - T
+        prompt, completion = att[:, :P].sum(1), att[:, P:].sum(1)
+        start = att[:, :P].int().argmax(1) if P > 0 else torch.zeros(B, dtype=torch.long, device=att.device)
+        start = torch.where(prompt > 0, start, P)
+        first = att.int().argmax(1)
+        last = L - 1 - att.flip(1).int().argmax(1)
+        one_run = (last - first + 1 == att.sum(1)) & (prompt > 0)
+        rows = torch.stack([prompt, completion, start, one_run.long()]).tolist() if B else [[], [], [], []]
+        return cls(rows[0], rows[1], rows[2], [bool(v) for v in rows[3]])
+
+    def reordered(self, order: list[int]) -> RowLayout:
+        return RowLayout(*([values[i] for i in order] for values in (self.prompt, self.completion, self.prompt_start, self.one_run)))
 
 
 @dataclass(frozen=True)
@@ -127,17 +172,30 @@ class MicroBatchPasses:
     t: int
     order: Tensor | None
     chunks: list[slice]
+    layout: RowLayout
+    order_list: list[int] | None = None
 
     def pass_inputs(self, chunk: slice, multiple: int) -> tuple[Tensor, Tensor, int]:
         """(ids, attention_mask, completion width) of one pass: with several passes, each cut to
-        its own longest prompt and completion (at least two completion columns when ``t`` has)."""
+        its own longest prompt and completion (at least two completion columns when ``t`` has),
+        as :func:`trim_padding` cuts, from the row layout (no synchronisation)."""
         if len(self.chunks) == 1:
             return self.ids, self.attention_mask, self.t
-        return trim_padding(self.ids[chunk], self.attention_mask[chunk], self.t, multiple, min_t=min(2, self.t))
+        P = self.ids.shape[1] - self.t
+        rows = range(len(self.layout.completion))[chunk]
+        longest = max((self.layout.completion[i] for i in rows), default=0) if self.t else 1
+        t = min(self.t, max(min(2, self.t), longest))
+        first = min((self.layout.prompt_start[i] for i in rows), default=P)
+        ids, mask = _trim_to(self.ids[chunk], self.attention_mask[chunk], self.t, multiple, t, first)
+        return ids, mask, t
+
+    def one_run(self, chunk: slice) -> bool:
+        """Whether every row of the pass is one contiguous run of tokens from its prompt on."""
+        return all(self.layout.one_run[chunk])
 
     def rows_of(self, values: Sequence[Any], chunk: slice) -> list[Any]:
         """The entries of ``values`` (one per micro-batch row) that one pass's rows hold."""
-        ordered = list(values) if self.order is None else [values[i] for i in self.order.tolist()]
+        ordered = list(values) if self.order_list is None else [values[i] for i in self.order_list]
         return ordered[chunk]
 
     def in_pass_order(self, x: Tensor) -> Tensor:
@@ -161,15 +219,15 @@ def plan_passes(
     from grpo_plugins.row_chunks import length_chunks
 
     ids, att, t = trim_padding(input_ids, attention_mask, T, multiple)  # (B, P'+t)
-    completion = att[:, ids.shape[1] - t :].sum(1)  # (B,)
+    layout = RowLayout.of(att, t)
     order, chunks = length_chunks(
-        (att.sum(1) - completion).tolist(), completion.tolist(), chunk_rows, split=split,
+        layout.prompt, layout.completion, chunk_rows, split=split,
         min_pass_tokens=min_pass_tokens, max_pass_tokens=max_pass_tokens,
     )
     if order == sorted(order):
-        return MicroBatchPasses(ids, att, t, None, chunks)
+        return MicroBatchPasses(ids, att, t, None, chunks, layout)
     rows = torch.as_tensor(order, device=ids.device)
-    return MicroBatchPasses(ids[rows], att[rows], t, rows, chunks)
+    return MicroBatchPasses(ids[rows], att[rows], t, rows, chunks, layout.reordered(order), list(order))
 
 
 def groups_by_length(config: GRPOConfig) -> bool:

@@ -345,6 +345,7 @@ class RolloutMaker:
                         model, ids, att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, chunk_fn=self.policy.chunk_fn,
                         inputs=self.policy.image_inputs(passes.rows_of(sources, c), ids, w),
+                        one_run=passes.one_run(c),
                     )  # (b, w)
                     where = c if passes.order is None else passes.order[c]
                     rows[where, :w] = logps.float()

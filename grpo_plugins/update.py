@@ -175,6 +175,7 @@ class PolicyUpdate:
                         policy.model, chunk_ids, chunk_att, w, temperature=cfg.temperature,
                         chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy, chunk_fn=policy.chunk_fn,
                         inputs=policy.image_inputs(passes.rows_of(sources, c), chunk_ids, w),
+                        one_run=passes.one_run(c),
                     )  # (b, w) (b, w)
                     pool = self._entropy_pool(entropy, chunk_mask) if cfg.top_entropy_quantile < 1.0 else None
                     loss, chunk_metrics = compute_loss(

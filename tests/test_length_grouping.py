@@ -278,3 +278,67 @@ def test_the_first_step_of_a_cycle_sees_its_old_log_probs_exactly(tiny_model: di
         assert old is not None and logps.shape == old.shape
         active = mask != 0
         assert torch.equal(logps[active], old[active])
+
+
+def test_passes_are_cut_from_the_row_layout_exactly_as_trim_padding_cuts_them() -> None:
+    """pass_inputs cuts each pass from per-row counts read once per micro-batch; it must cut
+    exactly what trim_padding (which asks the device) cuts, for every layout: left-padded
+    prompts, right-padded completions, rows without a prompt token, and rows with holes."""
+    from grpo_plugins.logprobs import left_aligned
+    from grpo_plugins.policy import plan_passes, trim_padding
+
+    gen = torch.Generator().manual_seed(0)
+    P, T, B = 7, 9, 12
+    for trial in range(20):
+        att = torch.zeros(B, P + T, dtype=torch.long)
+        for b in range(B):
+            p = int(torch.randint(0, P + 1, (), generator=gen))
+            c = int(torch.randint(0, T + 1, (), generator=gen))
+            att[b, P - p : P + c] = 1
+            if trial % 4 == 3 and b % 5 == 0 and p > 1:  # a hole inside the prompt
+                att[b, P - 1] = 0
+        ids = torch.randint(1, 50, (B, P + T), generator=gen) * att
+        for chunk_rows, split in ((None, True), (3, False), (4, True), (1, False)):
+            passes = plan_passes(ids, att, T, 4, chunk_rows, split=split)
+            for c in passes.chunks:
+                got = passes.pass_inputs(c, 4)
+                if len(passes.chunks) == 1:
+                    continue
+                want = trim_padding(passes.ids[c], passes.attention_mask[c], passes.t, 4, min_t=min(2, passes.t))
+                assert got[2] == want[2] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                # The layout's verdict on moving rows to their start is the device check's.
+                checked = left_aligned(got[0], got[1], got[2]) is not None
+                assert passes.one_run(c) == checked, (trial, chunk_rows, c)
+
+
+def test_a_micro_step_synchronises_with_the_device_no_more_for_more_passes(tiny_model: dict, tmp_path: Path, monkeypatch: Any) -> None:
+    """Every pass of a micro-step is planned from what one read of the device told: a host
+    synchronisation inside the loop over passes would drain the GPU's queue before each pass.
+    On the CPU there is nothing to drain, so the operations that would synchronise are counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import grpo_plugins.update as update
+
+    syncing = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "equal"}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if func.__name__.split(".")[0] in syncing:
+                counts[-1] += 1
+            return func(*args, **(kwargs or {}))
+
+    micro_step = update.PolicyUpdate.micro_step
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts.append(0)
+        with Count():
+            return micro_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(update.PolicyUpdate, "micro_step", counted)
+    counts: list[int] = []
+    _, whole_shapes = _train(tiny_model, tmp_path, grouped=False)
+    whole = counts
+    counts = []
+    _, grouped_shapes = _train(tiny_model, tmp_path, grouped=True)
+    assert len(whole_shapes) == 2 and len(grouped_shapes) > 4  # one pass per micro-step; several
+    assert counts == whole and max(counts) <= 4, (counts, whole)

@@ -165,6 +165,8 @@ class MicroBatchPasses:
         t: completion columns kept for the micro-batch.
         order: (B,) the micro-batch row each pass-order row comes from, or None (unchanged).
         chunks: consecutive slices of the pass order, one per forward.
+        layout: where each pass-order row's tokens sit (read once; the passes are cut from it).
+        order_list: ``order`` on the host, or None.
     """
 
     ids: Tensor

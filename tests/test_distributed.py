@@ -93,11 +93,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
+# Each launch takes a free port (torchrun --standalone, accelerate's port 0): fixed ports collide
+# with other runs on the machine, and with this suite's own runs under pytest -n.
 LAUNCHERS = {
-    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
     # accelerate's --cpu flag means one process (or mpirun); its multi-process launcher is torchrun's.
     "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532"],
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"],
 }
 
 

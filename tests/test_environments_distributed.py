@@ -62,7 +62,7 @@ def test_two_processes_run_the_same_episodes_and_gather_env_metrics(tmp_path: Pa
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, __file__, str(tmp_path / "one.json")], env=env, capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29557"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]  # a free port
     run = subprocess.run([*launcher, __file__, str(tmp_path / "two.json")], env=env, capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
 

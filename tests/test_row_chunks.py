@@ -199,8 +199,7 @@ def test_two_processes_with_chunks_match_one_without(tiny_model: dict, tmp_path:
     script = dist.__file__
     run = subprocess.run([sys.executable, script, str(tmp_path / "one.json")], env=dist._env(), capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
-    launcher = [*dist.LAUNCHERS["torchrun"][:-1], "29541"]
-    run = subprocess.run([*launcher, script, str(tmp_path / "two.json")], env=dist._env(), capture_output=True, timeout=300)
+    run = subprocess.run([*dist.LAUNCHERS["torchrun"], script, str(tmp_path / "two.json")], env=dist._env(), capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))
     w2 = load_file(str(two / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))

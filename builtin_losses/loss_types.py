@@ -25,7 +25,7 @@ def _window_normaliser(inputs: LossInputs) -> Tensor:
     if inputs.num_items_in_batch is None:
         return inputs.mask.sum().clamp(min=1.0) * inputs.gradient_accumulation_steps
     items = inputs.num_items_in_batch
-    items = items if hasattr(items, "clamp") else inputs.mask.new_tensor(float(items))  # a plain number
+    items = items if hasattr(items, "clamp") else inputs.mask.new_full((), float(items))  # a plain number
     return items.clamp(min=1.0) / inputs.num_processes
 
 
@@ -94,7 +94,7 @@ class SAPO(GRPO):
         import torch
 
         a = inputs.advantages
-        tau = torch.where(a > 0, a.new_tensor(self.params.temperature_pos), a.new_tensor(self.params.temperature_neg))
+        tau = torch.where(a > 0, a.new_full((), self.params.temperature_pos), a.new_full((), self.params.temperature_neg))
         return -((tau * (inputs.ratio - 1)).sigmoid() * 4 / tau) * a
 
 
@@ -147,8 +147,8 @@ class VESPO(DAPO):
                 seq = seq + rho.log().clamp(lower, 20.0).sum(-1, keepdim=True)
             log_w = seq.clamp(lower, 20.0)  # (B, 1)
             nonneg = inputs.advantages >= 0
-            k = torch.where(nonneg, log_w.new_tensor(p.k_pos), log_w.new_tensor(p.k_neg))
-            lam = torch.where(nonneg, log_w.new_tensor(p.lambda_pos), log_w.new_tensor(p.lambda_neg)).clamp(min=1e-4)
+            k = torch.where(nonneg, log_w.new_full((), p.k_pos), log_w.new_full((), p.k_neg))
+            lam = torch.where(nonneg, log_w.new_full((), p.lambda_pos), log_w.new_full((), p.lambda_neg)).clamp(min=1e-4)
             phi = torch.exp(lam + k * log_w - lam * log_w.exp())
             return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 

@@ -130,7 +130,10 @@ class LossMetrics(Mapping[str, float]):
             return self
         sums, counts = self.sums, self.counts
         if self.process_means:
-            own = torch.tensor([n in self.process_means for n in self.mean_names], device=sums.device)
+            own = torch.zeros(len(self.mean_names), dtype=torch.bool, device=sums.device)
+            for i, name in enumerate(self.mean_names):  # set on the device: no copy from the host
+                if name in self.process_means:
+                    own[i] = True
             sums = torch.where(own, sums / counts.clamp(min=1.0), sums)  # this process's mean ...
             counts = torch.where(own, torch.ones_like(counts), counts)  # ... counted once
         sums = accelerator.reduce(sums.contiguous(), reduction="sum")

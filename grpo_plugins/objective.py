@@ -146,7 +146,7 @@ def _masked_stats(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     values over *every* row: TRL's definition (its test is the last dimension being 1), so a
     row without an active token counts with its value (ratio 1: not clipped, φ = 1)."""
     if values.shape[-1] == 1:
-        return values.sum(), values.new_tensor(float(values.shape[0]))
+        return values.sum(), values.new_full((), float(values.shape[0]))
     return (values * mask).sum(), mask.sum()
 
 
@@ -160,9 +160,9 @@ def _row_extremum(values: Tensor, mask: Tensor, reduce: str) -> Tensor:
         n = mask.sum(-1)  # (B,)
         rows, counted = (values * mask).sum(-1) / n.clamp(min=1.0), n > 0  # (B,) (B,)
     if reduce == "min":
-        return torch.where(counted, rows, rows.new_tensor(float("inf"))).amin()
+        return torch.where(counted, rows, rows.new_full((), float("inf"))).amin()
     if reduce == "max":
-        return torch.where(counted, rows, rows.new_tensor(float("-inf"))).amax()
+        return torch.where(counted, rows, rows.new_full((), float("-inf"))).amax()
     raise LossSettingsError(f"a RowExtremum metric reduces by 'min' or 'max', not {reduce!r}")
 
 
@@ -279,8 +279,10 @@ def compute_loss(
     advantages = advantages.to(dtype)
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1)
 
-    if num_items_in_batch is not None:
-        num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=dtype, device=device)
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(dtype=dtype, device=device)
+    elif num_items_in_batch is not None:  # filled on the device: a copy from the host would wait for its queue
+        num_items_in_batch = torch.full((), float(num_items_in_batch), dtype=dtype, device=device)
 
     sampling = None if sampling_per_token_logps is None else clean(sampling_per_token_logps.detach())  # (B, T)
     correction, corrector = None, None
@@ -378,7 +380,7 @@ def _metrics(
             per_sequence = correction.shape[-1] == 1 and bool(getattr(corrector, "per_sequence", mask.shape[-1] > 1))
             where = torch.ones_like(correction, dtype=torch.bool) if per_sequence else active  # (B, 1) or (B, T)
             values = correction.expand_as(where)
-            inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+            inf = values.new_full((), float("inf"))
             mins[f"{IS_RATIO_PREFIX}/min"] = torch.where(where, values, inf).amin()
             means[f"{IS_RATIO_PREFIX}/mean"] = (torch.where(where, values, 0.0).sum(), where.sum().to(values.dtype))
             maxs[f"{IS_RATIO_PREFIX}/max"] = torch.where(where, values, -inf).amax()
@@ -388,6 +390,6 @@ def _metrics(
             delta = (inputs.old_per_token_logps - sampling).abs()  # (B, T)
             seen = active & ~delta.isnan()
             means[f"{LOGP_DIFFERENCE_PREFIX}/mean"] = (torch.where(seen, delta, 0.0).sum(), seen.sum().to(delta.dtype))
-            maxs[f"{LOGP_DIFFERENCE_PREFIX}/max"] = torch.where(seen, delta, delta.new_tensor(float("-inf"))).amax()
+            maxs[f"{LOGP_DIFFERENCE_PREFIX}/max"] = torch.where(seen, delta, delta.new_full((), float("-inf"))).amax()
             process_means.append(f"{LOGP_DIFFERENCE_PREFIX}/mean")
         return LossMetrics.from_parts(means, mins, maxs, process_means=process_means, device=mask.device)

@@ -228,7 +228,7 @@ def plan_passes(
     )
     if order == sorted(order):
         return MicroBatchPasses(ids, att, t, None, chunks, layout)
-    rows = torch.as_tensor(order, device=ids.device)
+    rows = torch.as_tensor(order).to(ids.device, non_blocking=True)  # not waiting for the device's queue
     return MicroBatchPasses(ids[rows], att[rows], t, rows, chunks, layout.reordered(order), list(order))
 
 

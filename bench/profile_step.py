@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import sys
 import time
@@ -109,7 +110,12 @@ def run(
     for phase in ("generate", "micro_step", "optimizer_step"):
         measured = [r for r in rows if r["phase"] == phase][warmup:]
         summary[phase] = {k: median([r[k] for r in measured]) for k in ("before_gib", "peak_gib", "after_gib", "wall_s", "host_s")}
-    del engine
+    # The instrumented methods close over the engine (a reference cycle): without a collection
+    # the next setting of the same process starts with this run's model and optimizer resident.
+    del engine, setup, setup_and_instrument, record
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return {"summary": summary, "calls": rows}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine two threads per
 # process (tests, workers and DDP subprocesses at once) fight for the cores. Set before torch
@@ -37,6 +38,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The ``model:`` mapping for a tiny random Qwen2 with a character-level tokenizer."""
     return tiny_model_spec(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tiny_model: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of test_distributed's config trained by one process (8 rows a
+    micro-step): the reference that two-process runs in test_distributed and test_row_chunks
+    compare with. The same run for each of them, so it runs once (per pytest worker)."""
+    import test_distributed
+
+    return test_distributed.one_process_run(tiny_model, tmp_path_factory.mktemp("one_process_run"))
 
 
 @pytest.fixture()

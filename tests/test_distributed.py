@@ -103,21 +103,25 @@ LAUNCHERS = {
 }
 
 
+def one_process_run(tiny_model: dict, root: Path) -> Path:
+    """One process of 8 rows a micro-step trains ``_config`` unchanged; its output folder. The
+    ``one_process_run`` fixture (conftest.py) runs it once for every test comparing with it."""
+    (root / "one.json").write_text(json.dumps(_config(tiny_model, root / "one", per_device=8)))
+    run = subprocess.run([sys.executable, __file__, str(root / "one.json")], env=_env(), capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    return root / "one"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_two_processes_match_one(tiny_model: dict, tmp_path: Path, launcher: str) -> None:
+def test_two_processes_match_one(tiny_model: dict, one_process_run: Path, tmp_path: Path, launcher: str) -> None:
     import torch
     from safetensors.torch import load_file
 
     from grpo_plugins.metrics import read_metrics
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    (tmp_path / "one.json").write_text(json.dumps(_config(tiny_model, one, per_device=8)))
+    one, two = one_process_run, tmp_path / "two"
     (tmp_path / "two.json").write_text(json.dumps(_config(tiny_model, two, per_device=4)))
-    run = subprocess.run(
-        [sys.executable, __file__, str(tmp_path / "one.json")], env=_env(), capture_output=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
     run = subprocess.run(
         [*LAUNCHERS[launcher], __file__, str(tmp_path / "two.json")],
         env=_env(), capture_output=True, timeout=300,

@@ -183,8 +183,9 @@ def test_chunked_training_step_equals_the_whole_micro_batch(tiny_model: dict, tm
 
 
 @pytest.mark.slow
-def test_two_processes_with_chunks_match_one_without(tiny_model: dict, tmp_path: Path) -> None:
-    """DDP: only the last chunk of a window's last micro-step syncs; the result is unchanged."""
+def test_two_processes_with_chunks_match_one_without(tiny_model: dict, one_process_run: Path, tmp_path: Path) -> None:
+    """DDP: only the last chunk of a window's last micro-step syncs; the result is unchanged.
+    The one process (test_distributed's config, no chunks) is ``one_process_run`` (conftest.py)."""
     import json
     import subprocess
     import sys
@@ -193,12 +194,9 @@ def test_two_processes_with_chunks_match_one_without(tiny_model: dict, tmp_path:
 
     import test_distributed as dist
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    (tmp_path / "one.json").write_text(json.dumps(dist._config(tiny_model, one, per_device=8)))
+    one, two = one_process_run, tmp_path / "two"
     (tmp_path / "two.json").write_text(json.dumps({**dist._config(tiny_model, two, per_device=4), "train_chunk_rows": 3}))
     script = dist.__file__
-    run = subprocess.run([sys.executable, script, str(tmp_path / "one.json")], env=dist._env(), capture_output=True, timeout=300)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
     run = subprocess.run([*dist.LAUNCHERS["torchrun"], script, str(tmp_path / "two.json")], env=dist._env(), capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     w1 = load_file(str(one / "checkpoints" / "checkpoint-4" / "model" / "model.safetensors"))

@@ -72,18 +72,25 @@ def _stable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
+@pytest.fixture(scope="module")
+def straight(tiny_model: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of an uninterrupted run of ``_config``: every test here interrupts the
+    same config and compares with it, so it runs once."""
+    root = tmp_path_factory.mktemp("straight")
+    (root / "straight.json").write_text(json.dumps(_config(tiny_model, root / "straight")))
+    proc = _start(root / "straight.json")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+    return root / "straight"
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model: dict, tmp_path: Path) -> None:
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model: dict, straight: Path, tmp_path: Path) -> None:
     import torch
 
     from grpo_plugins.metrics import read_metrics
 
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for name, out in (("straight", straight), ("killed", killed)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(_config(tiny_model, out)))
-
-    proc = _start(tmp_path / "straight.json")
-    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+    killed = tmp_path / "killed"
+    (tmp_path / "killed.json").write_text(json.dumps(_config(tiny_model, killed)))
 
     proc = _start(tmp_path / "killed.json", sleep=1.5)
     first = killed / "checkpoints" / "checkpoint-2"
@@ -111,7 +118,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model: dict, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("during", ["scoring", "training"])
-def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_model: dict, tmp_path: Path, during: str) -> None:
+def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_model: dict, straight: Path, tmp_path: Path, during: str) -> None:
     """Ctrl-C while a rollout is scored saves the cycle's start; while a step trains, it finishes
     that optimizer step and saves there. Either way the resumed run ends as an uninterrupted one."""
     import torch
@@ -119,11 +126,8 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(tiny_model: dict, tmp_pa
     from grpo_plugins.checkpoint import latest_checkpoint
     from grpo_plugins.metrics import read_metrics
 
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    for name, out in (("straight", straight), ("stopped", stopped)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(_config(tiny_model, out)))
-    proc = _start(tmp_path / "straight.json")
-    assert proc.wait(timeout=300) == 0, proc.stdout.read().decode()[-3000:]
+    stopped = tmp_path / "stopped"
+    (tmp_path / "stopped.json").write_text(json.dumps(_config(tiny_model, stopped)))
 
     slow = {"TEST_REWARD_SLEEP": "1.5"} if during == "scoring" else {"TEST_TRAIN_SLEEP": "1.5"}
     proc = subprocess.Popen([sys.executable, __file__, str(tmp_path / "stopped.json")], env={**os.environ, **slow},

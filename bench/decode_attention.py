@@ -3,7 +3,11 @@ layer's RoPE, cache write and window attention for one new token per row, over w
 growing length, with the window in one program per (row, key/value head) and split over
 several (the default rule, ``window_splits``, and others), against the torch operations.
 
-``python bench/decode_attention.py [--windows 128 512 1088 4096 8192] [--splits 1 2 4 8 16]``
+``python bench/decode_attention.py [--windows 128 512 1088 4096 8192] [--splits 1 2 4 8 16]
+[--launch 64,4,3 128,8,3]``
+
+``--launch`` times the kernel (parts by the default rule) with other keys per block, warps and
+pipeline stages (``BLOCK,WARPS,STAGES``).
 
 Each case is replayed in a CUDA graph over enough layers' caches (>= 256 MB in all) that the
 keys and values come from memory, not from L2. Prints microseconds per layer and the bandwidth
@@ -35,12 +39,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 512, 1088, 4096, 8192])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="fixed splits timed besides the default rule")
+    parser.add_argument("--launch", nargs="*", default=[], help="BLOCK,WARPS,STAGES launch settings timed besides the default")
+    parser.add_argument("--shapes", nargs="*", default=None, help="only these shape names")
     args = parser.parse_args()
+    launches = [tuple(int(x) for x in spec.split(",")) for spec in args.launch]
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
     results = []
     for name, B, Hq, Hkv, D in SHAPES:
+        if args.shapes and name not in args.shapes:
+            continue
         for W in args.windows:
             kv_bytes = 2 * B * Hkv * W * D * 2
             layers = max(2, -(-256 * 2**20 // kv_bytes))
@@ -58,7 +67,12 @@ def main() -> None:
                 row[f"splits{splits}_us"] = graph_time_us(
                     [lambda c=c, s=splits: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, splits=s) for c in caches]
                 )
+            for block, warps, stages in launches:
+                row[f"launch{block},{warps},{stages}_us"] = graph_time_us(
+                    [lambda c=c, b=block, w=warps, s=stages: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, block=b, warps=w, stages=s) for c in caches]
+                )
             fixed = "  ".join(f"{s}:{row[f'splits{s}_us']:.1f}" for s in args.splits)
+            fixed += "".join(f"  [{b},{w},{s}]:{row[f'launch{b},{w},{s}_us']:.1f}" for b, w, s in launches)
             print(
                 f"{name:13} {B:3} rows  W {W:5}  torch {row['torch_us']:7.1f} us  default ({row['default_splits']} parts) "
                 f"{row['default_us']:6.1f} us ({kv_bytes / row['default_us'] / 1e6:.2f} TB/s)  fixed parts {fixed}",

@@ -91,10 +91,10 @@ for B, Hkv, G, D, S, W, cur in [(3, 2, 6, 64, 200, 130, 127), (2, 4, 7, 128, 80,
     want_k, want_v = (c.clone() for c in caches)
     want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, 0.125)
     # The whole window in one program, and split over programs (the parts after the new token,
-    # and a padded row's first part, wholly masked) with their sums combined.
-    for splits in (None, 2, 3):
+    # and a padded row's first part, wholly masked) with their sums combined; other block sizes.
+    for splits, block in ((None, 64), (2, 64), (3, 64), (1, 128), (2, 32)):
         got_k, got_v = (c.clone() for c in caches)
-        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125, splits=splits)
+        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125, splits=splits, block=block)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
         assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])

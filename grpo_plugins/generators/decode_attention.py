@@ -273,12 +273,13 @@ def multiprocessors(device: torch.device) -> int:
 def run_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
-    splits: int | None = None,
+    splits: int | None = None, block: int = BLOCK_W, warps: int | None = None, stages: int | None = None,
 ) -> torch.Tensor:
     """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
     programs per (row, key/value head), each over its own part of the window, their partial
     softmax sums then combined by a second kernel (None: :func:`window_splits`, where the split
-    form passed its check on this device)."""
+    form passed its check on this device). ``block``, ``warps``, ``stages``: the kernel's keys
+    per block and launch settings (None: Triton's defaults), for benchmarks."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
@@ -292,13 +293,13 @@ def run_rope_kernel(
         raise ValueError("the KV cache's last dimension must be contiguous")
     bias = bias.float().contiguous()
     W = bias.shape[1]
-    blocks = -(-W // BLOCK_W)
+    blocks = -(-W // block)
     if splits is None:
         splits = window_splits(W, B * Hkv * D, multiprocessors(q.device))
         if splits > 1 and _split_fault(q.device, D, G, q.dtype) is not None:
             splits = 1
     splits = min(splits, blocks)
-    per_split = -(-blocks // splits) * BLOCK_W
+    per_split = -(-blocks // splits) * block
     splits = -(-W // per_split)  # no program without slots
     out = torch.empty(B, Hkv, G, D, dtype=q.dtype, device=q.device)
     if splits > 1:
@@ -310,7 +311,8 @@ def run_rope_kernel(
         q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, splits, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=BLOCK_W, PARTIAL=splits > 1,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1,
+        **({} if warps is None else {"num_warps": warps}), **({} if stages is None else {"num_stages": stages}),
     )
     if splits > 1:  # the split count is a runtime argument: one compiled kernel for every window
         _combine_kernel[(B * Hkv,)](out, parts, stats, splits, G=G, GP=GP, D=D)

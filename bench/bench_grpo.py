@@ -158,6 +158,8 @@ def run_ours(
         # grows after step 2 is a recompilation).
         "compile_seconds": [h.get("compile/seconds") for h in history],
         "compile_graphs": [h.get("compile/graphs") for h in history],
+        # with vllm_importance_sampling_correction on: how far the sampler's log-probs are from the policy's
+        "sampling_logp_difference": [h.get("sampling/sampling_logp_difference/mean") for h in history],
         "nonfinite_skipped": sum(h.get("nonfinite_skipped", 0.0) for h in history),
     }
     del engine, model, result

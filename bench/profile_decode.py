@@ -20,10 +20,8 @@ the copy is small); ``matmul``: ``dynamic`` with the decode attention as torch o
 decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
 matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
 window over the whole cache (every step reads all of it, as before attention windows);
-``partials`` / ``partials32``: ``dynamic`` with the o and down products as batched products over
-4 and 8 slices of their inputs whose partial sums (bf16, or float32) the next addition of the
-residual stream adds up, so that the sums fuse into the kernel of that addition and its norm
-(an experiment: cuBLAS's split-K reduction is a kernel of its own).
+``folded`` / ``unfolded``: ``dynamic`` with ``fold_norms`` forced on / off (the RMSNorm weights
+folded into the merged copies; by default on where its kernels run).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -58,53 +56,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
-    "partials": {"compile": True, "dynamic": True, "mode": None, "partials": (4, 8, None)},
-    "partials32": {"compile": True, "dynamic": True, "mode": None, "partials": (4, 8, torch.float32)},
+    "folded": {"compile": True, "dynamic": True, "mode": None, "fold_norms": True},
+    "unfolded": {"compile": True, "dynamic": True, "mode": None, "fold_norms": False},
 }
-
-
-def _sliced_product(x: torch.Tensor, weight: torch.Tensor, slices: int, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """x (B, 1, K) @ weight (N, K).T as ``slices`` partial sums (slices, B, 1, N), one per K slice."""
-    B, Q, K = x.shape
-    N = weight.shape[0]
-    xs = x.reshape(B * Q, slices, K // slices).transpose(0, 1)  # (S, B, K/S)
-    ws = weight.view(N, slices, K // slices).permute(1, 2, 0)  # (S, K/S, N), no copy
-    out = torch.bmm(xs, ws) if out_dtype is None else torch.bmm(xs, ws, out_dtype=out_dtype)
-    return out.view(slices, B, Q, N)
-
-
-def _summed(h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-    """The residual stream ``h`` plus ``pending``: one tensor, or partial sums over dim 0."""
-    if pending.dim() == h.dim():
-        return h + pending
-    return (h.float() + pending.float().sum(0)).to(h.dtype)
-
-
-def _partials_fns(o_slices: int, down_slices: int, out_dtype: torch.dtype | None) -> tuple[Any, Any]:
-    from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention
-    from grpo_plugins.generators.static_decode import decode_head
-    from grpo_plugins.generators.static_steps import _projections
-
-    def layer_fn(parts, layer, h, pending, cos, sin, k_all, v_all, bias, index):  # type: ignore[no-untyped-def]
-        B = h.shape[0]
-        h = _summed(h, pending)
-        x = layer.input_layernorm(h)
-        q, k, v = _projections(layer, x, parts)
-        attend = fused_rope_window_attention if parts.fused_attention else rope_window_attention
-        o = attend(q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)
-        h = _summed(h, _sliced_product(o.reshape(B, 1, -1), layer.self_attn.o_proj.weight, o_slices, out_dtype))
-        x = layer.post_attention_layernorm(h)
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_up_proj"):
-            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        return h, _sliced_product(mlp.act_fn(gate) * up, mlp.down_proj.weight, down_slices, out_dtype)
-
-    def head_fn(parts, st, s, pad_id, stop_at_eos, h, pending):  # type: ignore[no-untyped-def]
-        decode_head(parts, st, s, pad_id, stop_at_eos, _summed(h, pending), torch.zeros_like(h))
-
-    return layer_fn, head_fn
 
 
 def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
@@ -116,14 +70,14 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
+        fold_norms=variant.get("fold_norms"),
     )
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):
             kw["mode"] = variant["mode"]
-        layer_fn, head_fn = _partials_fns(*variant["partials"]) if variant.get("partials") else (decode_layer, decode_head)
         dec._compiled_step = functools.partial(
-            decode_step, layer_fn=torch.compile(layer_fn, **kw), head_fn=torch.compile(head_fn, **kw)
+            decode_step, layer_fn=torch.compile(decode_layer, **kw), head_fn=torch.compile(decode_head, **kw)
         )
     return dec
 

@@ -19,9 +19,7 @@ the copy is small); ``matmul``: ``dynamic`` with the decode attention as torch o
 (``fused_attention: false``); ``fp8``: ``dynamic``
 decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
 matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
-window over the whole cache (every step reads all of it, as before attention windows);
-``folded`` / ``unfolded``: ``dynamic`` with ``fold_norms`` forced on / off (the RMSNorm weights
-folded into the merged copies; by default on where its kernels run).
+window over the whole cache (every step reads all of it, as before attention windows).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -56,8 +54,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
-    "folded": {"compile": True, "dynamic": True, "mode": None, "fold_norms": True},
-    "unfolded": {"compile": True, "dynamic": True, "mode": None, "fold_norms": False},
 }
 
 
@@ -70,7 +66,6 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
-        fold_norms=variant.get("fold_norms"),
     )
     if variant.get("compile"):
         kw = {"fullgraph": True, "dynamic": variant["dynamic"]}

@@ -167,12 +167,11 @@ if triton is not None:
     @triton.jit
     def _rope_window_attention_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
-        x_ptr, qkv_bias_ptr, H, eps,
         W, per_split, splits, scale,
         stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
-        stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb, stride_xb,
+        stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        PARTIAL: tl.constexpr, NORMED: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, BLOCK_X: tl.constexpr,
+        PARTIAL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -187,31 +186,11 @@ if triton is not None:
         dtype = kc_ptr.dtype.element_ty
         heads = q_ptr + b * stride_qb + (h * G + rg)[:, None] * D
         live = rg[:, None] < G
-        qa = tl.load(heads + rd[None, :], mask=live, other=0.0).to(tl.float32)
-        qb = tl.load(heads + turn[None, :], mask=live, other=0.0).to(tl.float32)
+        q = tl.load(heads + rd[None, :], mask=live, other=0.0).to(tl.float32)
+        q = (q * cos[None, :] + tl.load(heads + turn[None, :], mask=live, other=0.0).to(tl.float32) * sin[None, :]).to(dtype)  # (GP, D)
         key = k_ptr + b * stride_kb + h * D
-        ka = tl.load(key + rd).to(tl.float32)
-        kb = tl.load(key + turn).to(tl.float32)
-        v_new = tl.load(v_ptr + b * stride_vb + h * D + rd).to(tl.float32)
-        if NORMED:  # q/k/v came from the RMSNorm's input (its weight folded into theirs): 1/rms, then the bias
-            rx = tl.arange(0, BLOCK_X)
-            squares = tl.zeros((BLOCK_X,), tl.float32)
-            for c in range(0, H, BLOCK_X):
-                xs = tl.load(x_ptr + b * stride_xb + c + rx, mask=c + rx < H, other=0.0).to(tl.float32)
-                squares += xs * xs
-            r = 1.0 / tl.sqrt(tl.sum(squares, 0) / H + eps)
-            qa, qb, ka, kb, v_new = qa * r, qb * r, ka * r, kb * r, v_new * r
-            if HAS_QKV_BIAS:
-                qbias = qkv_bias_ptr + (h * G + rg)[:, None] * D
-                qa += tl.load(qbias + rd[None, :], mask=live, other=0.0).to(tl.float32)
-                qb += tl.load(qbias + turn[None, :], mask=live, other=0.0).to(tl.float32)
-                kbias = qkv_bias_ptr + HKV * G * D + h * D
-                ka += tl.load(kbias + rd).to(tl.float32)
-                kb += tl.load(kbias + turn).to(tl.float32)
-                v_new += tl.load(qkv_bias_ptr + (HKV * G + HKV) * D + h * D + rd).to(tl.float32)
-        q = (qa * cos[None, :] + qb * sin[None, :]).to(dtype)  # (GP, D)
-        k_new = (ka * cos + kb * sin).to(dtype)  # (D,)
-        v_new = v_new.to(dtype)
+        k_new = (tl.load(key + rd).to(tl.float32) * cos + tl.load(key + turn).to(tl.float32) * sin).to(dtype)  # (D,)
+        v_new = tl.load(v_ptr + b * stride_vb + h * D + rd).to(dtype)
         cur = tl.load(index_ptr)
         k_base = kc_ptr + b * stride_kcb + h * stride_kch
         v_base = vc_ptr + b * stride_vcb + h * stride_vch
@@ -295,15 +274,12 @@ def run_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
     splits: int | None = None, block: int = BLOCK_W, warps: int | None = None, stages: int | None = None,
-    x: torch.Tensor | None = None, qkv_bias: torch.Tensor | None = None, eps: float = 0.0,
 ) -> torch.Tensor:
     """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
     programs per (row, key/value head), each over its own part of the window, their partial
     softmax sums then combined by a second kernel (None: :func:`window_splits`, where the split
     form passed its check on this device). ``block``, ``warps``, ``stages``: the kernel's keys
-    per block and launch settings (None: Triton's defaults), for benchmarks. ``x`` (B, H): q, k
-    and v are products of this residual stream with an RMSNorm's weight folded in; the kernel
-    scales them by its 1/rms (``eps``) and adds ``qkv_bias`` (q, k and v biases concatenated)."""
+    per block and launch settings (None: Triton's defaults), for benchmarks."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
@@ -331,16 +307,11 @@ def run_rope_kernel(
         stats = torch.empty(B * Hkv * splits * GP, 2, dtype=torch.float32, device=q.device)
     else:
         parts = stats = out  # not read
-    if x is not None and x.stride(-1) != 1:
-        x = x.contiguous()
     _rope_window_attention_kernel[(B * Hkv, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats,
-        q if x is None else x, q if qkv_bias is None else qkv_bias, 0 if x is None else x.shape[-1], eps,
-        W, per_split, splits, scale,
+        q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, splits, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), 0 if x is None else x.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1,
-        NORMED=x is not None, HAS_QKV_BIAS=qkv_bias is not None, BLOCK_X=1024,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1,
         **({} if warps is None else {"num_warps": warps}), **({} if stages is None else {"num_stages": stages}),
     )
     if splits > 1:  # the split count is a runtime argument: one compiled kernel for every window

@@ -90,11 +90,6 @@ class StaticCacheGenerator(Generator):
             description="Compute the decode step's attention, with the new token's RoPE and cache writes, as one Triton kernel that reads the window's keys and values once, instead of torch operations (two batched products and a softmax; 7B LoRA on an H200: 5.7 instead of 6.7 ms per generated token). Default: on where it can run (a CUDA device with Triton, a bfloat16 or float16 model, head dimension a power of two from 16 to 256) and where it agrees with the torch operations in a check once per device; false keeps the torch operations.",
         )
 
-        fold_norms: bool | None = Field(
-            None,
-            description="Fold each decoder layer's RMSNorm weights into the merged 16-bit decode copies of the products after them (q/k/v, gate/up) and leave the 1/rms scaling to the kernels that follow (the decode attention, the SiLU-multiply), with the residual additions inside the o and down products: six kernels per decode layer instead of ten. The same function up to rounding (the norm's weight is rounded into the copy instead of into the activations). Default: on with merged 16-bit copies (merge_weights on, fp8 off), the fused attention, Llama-style norms without per-head q/k norms, and Triton kernels that agree with their torch forms in a check once per device; false keeps the norms as kernels of their own.",
-        )
-
     samples_from_policy = True
     # Prompts with images: the vision-language model's own forward fills the cache, then the
     # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
@@ -154,7 +149,6 @@ class StaticCacheGenerator(Generator):
             max_batch_rows=self.params.max_batch_rows,
             fp8=self.params.fp8,
             fused_attention=self.params.fused_attention,
-            fold_norms=self.params.fold_norms,
         )
 
     @contextlib.contextmanager

@@ -35,15 +35,12 @@ from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.fp8_base import float8_unsupported
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.decode_attention import use_fused_attention
-from grpo_plugins.generators.decode_norms import triton_norms_fault
 from grpo_plugins.generators.static_layers import (
     SUPPORTED_MODEL_TYPES,
     DecoderParts,
-    FoldedLayer,
     MergedLayer,
     UnsupportedModelError,
     check_supported,
-    folding_unsupported,
     fused_copy_is_small,
     has_lora,
     merged_layers_supported,
@@ -189,11 +186,6 @@ class StaticDecoder:
             (fused products: ~10% faster decoding at 0.5B-1.5B).
         fused_attention: the decode attention as one Triton kernel
             (:mod:`~grpo_plugins.generators.decode_attention`); None (auto): where it can run.
-        fold_norms: fold each layer's RMSNorm weights into its 16-bit merged copies and leave the
-            1/rms scaling to the kernels after the products
-            (:mod:`~grpo_plugins.generators.decode_norms`): six kernels per decode layer instead
-            of ten. None (auto): with merged 16-bit copies, the fused attention and Triton kernels
-            that passed their check on this GPU.
     """
 
     def __init__(
@@ -216,7 +208,6 @@ class StaticDecoder:
         window_step: int = 128,
         fp8: bool = False,
         fused_attention: bool | None = None,
-        fold_norms: bool | None = None,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -236,7 +227,7 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
-        self._merged: list[MergedLayer | FoldedLayer] | None = None
+        self._merged: list[MergedLayer] | None = None
         reason = merged_layers_supported(self.parts)
         if fp8:
             if merge_weights is False:
@@ -253,24 +244,6 @@ class StaticDecoder:
         self.merge_weights = merge_weights
         self.fp8 = fp8
         self.parts = dataclasses.replace(self.parts, fused_attention=use_fused_attention(self.parts, fused_attention))
-        self.fold_norms = self._resolve_folding(fold_norms)
-
-    def _resolve_folding(self, wanted: bool | None) -> bool:
-        """The ``fold_norms`` setting: ``wanted``, or where it pays and its kernels passed their check."""
-        if wanted is False:
-            return False
-        reason = folding_unsupported(self.parts)
-        if not self.merge_weights or self.fp8:
-            reason = "it folds the norms into 16-bit merged copies (merge_weights on, fp8 off)"
-        if wanted:
-            if reason is not None:
-                raise GRPOPluginsError(f"generator 'static': fold_norms cannot be used: {reason}; set fold_norms: false")
-            return True
-        if reason is not None or not self.parts.fused_attention:
-            return False
-        weight = self.parts.embed.weight
-        groups = self.parts.num_heads // self.parts.num_kv_heads
-        return triton_norms_fault(weight.device, self.parts.head_dim, groups, weight.dtype) is None
 
     # -- graphs ---------------------------------------------------------------------------------
 
@@ -357,7 +330,7 @@ class StaticDecoder:
         if not self.merge_weights:
             return self.parts
         if self._merged is None:
-            self._merged = [FoldedLayer(layer) if self.fold_norms else MergedLayer(layer, self.fp8) for layer in self.parts.layers]
+            self._merged = [MergedLayer(layer, self.fp8) for layer in self.parts.layers]
             extra = sum(b.numel() * b.element_size() for m in self._merged for b in m.buffers())
             logger.info(
                 "generator 'static': decoding from merged, fused copies of the projection weights (%.2f GiB)",

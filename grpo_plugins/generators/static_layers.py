@@ -167,9 +167,8 @@ class FusedLinear(torch.nn.Module):
     (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through ``_scaled_mm``.
     """
 
-    def __init__(self, sources: list[Any], fp8: bool = False, fold: Any = None) -> None:
+    def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
-        self.fold = fold  # an RMSNorm whose weight scales the copy's input columns (16-bit only)
         bases = [m.get_base_layer() if _is_lora(m) else m for m in sources]
         w0 = bases[0].weight
         self.sizes = tuple(int(b.weight.shape[0]) for b in bases)
@@ -204,9 +203,6 @@ class FusedLinear(torch.nn.Module):
                     weight8, scale = quantize_rows(merged.to(base.weight.dtype))
                 self.weight[row : row + n].copy_(weight8)
                 self.scale[0, row : row + n].copy_(scale[:, 0])
-            elif self.fold is not None:  # the norm's weight times the merged weight, rounded once
-                merged = base.weight.float() if delta is None else base.weight.float() + delta
-                self.weight[row : row + n].copy_(merged * self.fold.weight.float()[None, :])
             else:
                 self.weight[row : row + n].copy_(base.weight if delta is None else base.weight.float() + delta)
             if self.bias is not None:
@@ -267,56 +263,6 @@ class MergedLayer(torch.nn.Module):
         for module in self.modules():
             if isinstance(module, FusedLinear):
                 module.refresh()
-
-
-class FoldedLayer(torch.nn.Module):
-    """A :class:`MergedLayer` whose RMSNorm weights are folded into the products after them
-    (:mod:`~grpo_plugins.generators.decode_norms`): ``qkv`` and ``gate_up`` read the residual
-    stream and leave the 1/rms scaling (and the q/k/v bias, ``qkv_bias``) to the kernels after
-    them; ``o`` and ``down`` are plain fused copies. 16-bit copies only."""
-
-    folded = True
-
-    def __init__(self, layer: Any) -> None:
-        super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], fold=layer.input_layernorm)
-        self.qkv_sizes = self.qkv.sizes
-        self.o = FusedLinear([attn.o_proj])
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], fold=layer.post_attention_layernorm)
-        self.down = FusedLinear([mlp.down_proj])
-        self.input_eps = float(norm_epsilon(layer.input_layernorm))
-        self.post_eps = float(norm_epsilon(layer.post_attention_layernorm))
-
-    def refresh(self) -> None:
-        for module in (self.qkv, self.o, self.gate_up, self.down):
-            module.refresh()
-
-
-def norm_epsilon(norm: Any) -> float | None:
-    """The epsilon of a Llama-style RMSNorm (``weight * x / rms(x)``), None for another norm."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    weight = getattr(norm, "weight", None)
-    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or type(norm).__name__.startswith("Gemma"):
-        return None
-    return float(eps)
-
-
-def folding_unsupported(parts: "DecoderParts") -> str | None:
-    """Why the layers' norms cannot be folded into their decode copies (None: they can)."""
-    for layer in parts.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "q_norm", None) is not None:
-            return "the attention normalises q and k per head (qwen3)"
-        if any(norm_epsilon(n) is None for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return "its norms are not Llama-style RMSNorms"
-        if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            return "the MLP's activation is not SiLU"
-        for module in (attn.o_proj, mlp.down_proj):
-            base = module.get_base_layer() if _is_lora(module) else module
-            if getattr(base, "bias", None) is not None:
-                return "the o or down projection has a bias"
-    return None
 
 
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))

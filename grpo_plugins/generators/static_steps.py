@@ -10,13 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention, rotate_half
-from grpo_plugins.generators.decode_norms import (
-    inverse_rms,
-    normed_rope_window_attention,
-    normed_rope_window_attention_torch,
-    rms_silu_mul,
-    rms_silu_mul_torch,
-)
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
 
@@ -119,22 +112,6 @@ def _qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, part
     return q, k, v
 
 
-def _folded_qkv(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: DecoderParts):
-    """:func:`_qkv` for a :class:`~grpo_plugins.generators.static_layers.FoldedLayer`: the fused
-    product of the residual stream ``h`` itself, scaled by 1/rms(h), plus the bias."""
-    B, Q, _ = h.shape
-    r = inverse_rms(h, layer.input_eps)  # (B, Q, 1)
-    pieces = F.linear(h, layer.qkv.weight).split(layer.qkv_sizes, dim=-1)
-    biases = layer.qkv.bias.split(layer.qkv_sizes) if layer.qkv.bias is not None else (None, None, None)
-    heads = (parts.num_heads, parts.num_kv_heads, parts.num_kv_heads)
-    q, k, v = (
-        ((t.float() * r) + (0.0 if b is None else b.float())).to(h.dtype).view(B, Q, n, parts.head_dim).transpose(1, 2)
-        for t, b, n in zip(pieces, biases, heads)
-    )
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, Q, D)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-
 def prefill(
     parts: DecoderParts,
     input_ids: torch.Tensor,
@@ -155,8 +132,8 @@ def prefill(
     mask = mask[:, None]  # (B, 1, P, P)
     groups = parts.num_heads // parts.num_kv_heads
     for i, layer in enumerate(parts.layers):
-        folded = getattr(layer, "folded", False)
-        q, k, v = _folded_qkv(layer, h, cos, sin, parts) if folded else _qkv(layer, layer.input_layernorm(h), cos, sin, parts)
+        x = layer.input_layernorm(h)
+        q, k, v = _qkv(layer, x, cos, sin, parts)
         k_cache[i][:, :, :P] = k
         v_cache[i][:, :, :P] = v
         try:
@@ -164,13 +141,8 @@ def prefill(
         except TypeError:  # torch < 2.5 has no enable_gqa; the prompt is short, so expand here
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=parts.scaling)
-        o = o.transpose(1, 2).reshape(B, P, -1)
-        if folded:
-            h = h + F.linear(o, layer.o.weight)
-            h = h + F.linear(rms_silu_mul_torch(h, F.linear(h, layer.gate_up.weight), layer.post_eps), layer.down.weight)
-        else:
-            h = h + layer.self_attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, P, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
     last = parts.norm(h[:, -1:])  # (B, 1, H)
     return parts.lm_head(last)[:, 0].float()
 
@@ -313,7 +285,7 @@ def decode_layer(
     parts: DecoderParts,
     layer: Any,
     h: torch.Tensor,
-    pending: torch.Tensor | None,
+    pending: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_all: torch.Tensor,
@@ -329,10 +301,7 @@ def decode_layer(
     its MLP output unadded, so that the addition and this layer's first norm are one kernel
     (the layers are separate graphs, and at small models a decode step's time is mostly its
     kernel count). Returns this layer's ``(h, pending)`` the same way. The same function serves
-    every layer, so it is compiled once for the whole model. A
-    :class:`~grpo_plugins.generators.static_layers.FoldedLayer` goes to :func:`decode_folded_layer`."""
-    if getattr(layer, "folded", False):
-        return decode_folded_layer(parts, layer, h, cos, sin, k_all, v_all, bias, index)
+    every layer, so it is compiled once for the whole model."""
     B = h.shape[0]
     h = h + pending
     x = layer.input_layernorm(h)
@@ -344,36 +313,13 @@ def decode_layer(
     return h, layer.mlp(layer.post_attention_layernorm(h))
 
 
-def decode_folded_layer(
-    parts: DecoderParts, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    k_all: torch.Tensor, v_all: torch.Tensor, bias: torch.Tensor, index: torch.Tensor,
-) -> tuple[torch.Tensor, None]:
-    """:func:`decode_layer` for a layer whose norms are folded into its products
-    (:mod:`~grpo_plugins.generators.decode_norms`): the q/k/v product, the attention (1/rms,
-    bias, RoPE, cache writes), the o product with the residual addition inside it (``addmm``),
-    the gate/up product, the SiLU-multiply (1/rms) and the down product with its residual
-    addition. The residual stream ``h`` arrives whole and leaves whole (no pending part)."""
-    B = h.shape[0]
-    x = h.reshape(B, -1)
-    q, k, v = F.linear(x, layer.qkv.weight).split(layer.qkv_sizes, dim=-1)
-    q = q.view(B, parts.num_heads, parts.head_dim)
-    k = k.view(B, parts.num_kv_heads, parts.head_dim)
-    v = v.view(B, parts.num_kv_heads, parts.head_dim)
-    attend = normed_rope_window_attention if parts.fused_attention else normed_rope_window_attention_torch
-    o = attend(q, k, v, x, layer.qkv.bias, layer.input_eps, cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)
-    x = torch.addmm(x, o.reshape(B, -1), layer.o.weight.t())
-    act = rms_silu_mul if parts.fused_attention else rms_silu_mul_torch
-    m = act(x, F.linear(x, layer.gate_up.weight), layer.post_eps)
-    return torch.addmm(x, m, layer.down.weight.t()).view(B, 1, -1), None
-
-
 def decode_head(
-    parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor | None
+    parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor
 ) -> None:
     """The final norm (of ``h + pending``, the last layer's residual stream), LM head and
     sampling of one decode step; records the token at column ``st.step`` and advances the
     counters."""
-    logits = parts.lm_head(parts.norm(h if pending is None else h + pending))[:, 0].float()  # (B, V)
+    logits = parts.lm_head(parts.norm(h + pending))[:, 0].float()  # (B, V)
     token, logp = sample_tokens(logits, st.seen, s)
     token = torch.where(st.done, pad_id, token)
     logp = torch.where(st.done, 0.0, logp)
@@ -414,7 +360,7 @@ def decode_step(
     # copy kernels a step); the batched products cast it to the model's dtype inside their graph.
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=h.device).masked_fill(~valid, float("-inf"))  # (B, W)
     index = st.cur.view(1)
-    pending = None if getattr(parts.layers[0], "folded", False) else torch.zeros_like(h)
+    pending = torch.zeros_like(h)
     for i, layer in enumerate(parts.layers):
         h, pending = layer_fn(parts, layer, h, pending, cos, sin, st.k_cache[i], st.v_cache[i], bias, index)
     head_fn(parts, st, s, pad_id, stop_at_eos, h, pending)

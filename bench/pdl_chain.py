@@ -1,0 +1,182 @@
+"""Can programmatic dependent launch hide the decode products' fixed cost?
+
+At 64 rows a decode step's products stream their weights at ~3 TB/s, but each also costs ~4 us
+that does not scale with its size (launch, ramp-up, the first loads' latency, the tail): at 1.5B
+that is ~40 % of a step (bench/RESULTS.md, "Where the decode step's time goes"). With CUDA's
+programmatic dependent launch a kernel starts while the one before it runs, loads what does not
+depend on it (its first block of weights) and waits (``griddepcontrol.wait``) only before
+reading its input. This times a decoder's chain of products (q/k/v -> o -> gate/up -> down, each
+reading the one before's output, distinct weights per layer so they come from memory) in one
+CUDA graph:
+
+* ``cublas``: ``torch.mm`` (what the decode step runs now);
+* ``triton``: a product kernel for 64 rows, one program per block of output columns;
+* ``triton-pdl``: the same kernel launched with programmatic dependent launch, its first block
+  of weights loaded before the wait.
+
+``python bench/pdl_chain.py [--shape qwen2.5-1.5b] [--layers 28] [--configs 16,128,3 32,128,3]``
+
+``--configs``: BLOCK_N,BLOCK_K,STAGES of the Triton kernel (BLOCK_N 64 for gate/up). Prints
+microseconds per layer, the weights' bandwidth, and the largest difference from ``cublas``;
+with ``OUT`` set writes ``pdl_chain.json`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds ship without Triton
+    triton = None  # type: ignore[assignment]
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without programmatic dependent launch: the -pdl variants fail
+    gdc_launch_dependents = gdc_wait = None
+
+#: hidden size, q/k/v width, intermediate size of each benchmark shape
+SHAPES = {"qwen2.5-0.5b": (896, 1152, 4864), "qwen2.5-1.5b": (1536, 2048, 8960), "qwen2.5-7b": (3584, 4608, 18944)}
+ROWS = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _rows_product_kernel(
+        x_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y,
+        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """y (M, N) = x (M, K) @ w (N, K).T for one block of BLOCK_N output columns."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.arange(0, M)
+        w_tile = w_ptr + rn[None, :] * stride_w + rk[:, None]  # (BLOCK_K, BLOCK_N): w transposed
+        x_tile = x_ptr + rm[:, None] * stride_x + rk[None, :]
+        w = tl.load(w_tile)  # the first block of weights does not depend on the kernel before
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the input is the kernel before's output
+        acc = tl.dot(tl.load(x_tile), w)
+        for k in range(BLOCK_K, K, BLOCK_K):
+            acc += tl.dot(tl.load(x_tile + k), tl.load(w_tile + k))
+        tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty))
+
+
+def rows_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool) -> torch.Tensor:
+    """``out`` = x @ w.T by :func:`_rows_product_kernel` (x: ROWS rows; N a multiple of block_n,
+    K of block_k)."""
+    N, K = w.shape
+    assert x.shape == (ROWS, K) and N % block_n == 0 and K % block_k == 0, (x.shape, w.shape, block_n, block_k)
+    extra = {"launch_pdl": True} if pdl else {}
+    _rows_product_kernel[(N // block_n,)](
+        x, w, out, K, x.stride(0), w.stride(0), out.stride(0), M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=4, num_stages=stages, **extra,
+    )
+    return out
+
+
+def layer_weights(shape: str, layers: int, device: str) -> list[tuple[torch.Tensor, ...]]:
+    H, Q, I = SHAPES[shape]
+    scale = H**-0.5
+
+    def rand(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device=device) * scale).to(torch.bfloat16)
+
+    return [(rand(Q, H), rand(H, H), rand(2 * I, H), rand(H, I)) for _ in range(layers)]
+
+
+def chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], product: Any, buffers: list[torch.Tensor]) -> torch.Tensor:
+    """q/k/v -> o -> gate/up -> down through every layer; each product reads the one before's output."""
+    H = x.shape[1]
+    for i, (qkv, o, gate_up, down) in enumerate(weights):
+        a = product(x, qkv, buffers[0], 0)
+        b = product(a[:, :H], o, buffers[1], 1)
+        c = product(b, gate_up, buffers[2], 2)
+        x = product(c[:, : down.shape[1]], down, buffers[3 + i % 2], 3)
+    return x
+
+
+def graph_us(fn: Any, replays: int = 20) -> float:
+    """Microseconds per replay of ``fn`` captured in a CUDA graph (after warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / replays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", nargs="+", default=["qwen2.5-1.5b"], choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--configs", nargs="+", default=["16,128,3", "16,256,3", "32,128,4"])
+    args = parser.parse_args()
+    assert torch.cuda.is_available() and triton is not None, "needs a CUDA GPU with Triton"
+    torch.manual_seed(0)
+    results: list[dict[str, Any]] = []
+    for shape in args.shape:
+        H, Q, I = SHAPES[shape]
+        weights = layer_weights(shape, args.layers, "cuda")
+        weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+        x = torch.randn(ROWS, H, device="cuda").to(torch.bfloat16)
+        widths = (Q, H, 2 * I, H, H)
+        buffers = [torch.empty(ROWS, n, device="cuda", dtype=torch.bfloat16) for n in widths]
+
+        def cublas(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, which: int) -> torch.Tensor:
+            return torch.mm(a, w.t(), out=out)
+
+        reference = chain(x, weights, cublas, buffers).float().clone()
+        row: dict[str, Any] = {"shape": shape, "layers": args.layers, "weights_MB": weight_bytes / 1e6}
+        row["cublas_us"] = graph_us(lambda: chain(x, weights, cublas, buffers))
+        for spec in args.configs:
+            block_n, block_k, stages = (int(v) for v in spec.split(","))
+            for pdl in (False, True):
+                name = f"triton{'-pdl' if pdl else ''}[{spec}]"
+
+                def product(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, which: int, bn=block_n, bk=block_k, st=stages, p=pdl) -> torch.Tensor:
+                    return rows_product(a, w, out, 64 if which == 2 else bn, bk, st, p)
+
+                try:
+                    got = chain(x, weights, product, buffers).float()
+                    row[f"{name}_us"] = graph_us(lambda: chain(x, weights, product, buffers))
+                    row[f"{name}_error"] = ((got - reference).abs().max() / reference.abs().max()).item()
+                except Exception as error:  # a launch option or setting this Triton refuses
+                    row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        floor_us = weight_bytes / 3.35e12 * 1e6
+        print(f"{shape}: {args.layers} layers, {weight_bytes / 1e6:.0f} MB of weights (floor at 3.35 TB/s: {floor_us / args.layers:.1f} us per layer)")
+        for key, value in row.items():
+            if key.endswith("_us"):
+                print(f"  {key[:-3]:28} {value / args.layers:7.1f} us per layer  {weight_bytes / value / 1e6:5.2f} TB/s  "
+                      f"max rel. diff {row.get(key[:-3] + '_error', 0.0)}", flush=True)
+            elif key.endswith("_error") and isinstance(value, str):
+                print(f"  {key[:-6]:28} failed: {value}", flush=True)
+        results.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "pdl_chain.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

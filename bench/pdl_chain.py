@@ -10,13 +10,17 @@ reading the one before's output, distinct weights per layer so they come from me
 CUDA graph:
 
 * ``cublas``: ``torch.mm`` (what the decode step runs now);
-* ``triton``: a product kernel for 64 rows, one program per block of output columns;
-* ``triton-pdl``: the same kernel launched with programmatic dependent launch, its first block
-  of weights loaded before the wait.
+* ``triton``: a product kernel for 64 rows, one program per block of output columns (the 64
+  rows as the left operand);
+* ``swapped``: the float8 decode kernel's form in 16 bits: a tile of 64 weight rows as the left
+  operand times all 64 input rows, K split over programs until every multiprocessor has one,
+  the float32 parts added by a second kernel;
+* ``-pdl``: the same kernels launched with programmatic dependent launch, each product's first
+  block of weights loaded before the wait.
 
-``python bench/pdl_chain.py [--shape qwen2.5-1.5b] [--layers 28] [--configs 16,128,3 32,128,3]``
+``python bench/pdl_chain.py [--shape qwen2.5-1.5b] [--layers 28] [--configs 32,128,4] [--swapped 64,128,4]``
 
-``--configs``: BLOCK_N,BLOCK_K,STAGES of the Triton kernel (BLOCK_N 64 for gate/up). Prints
+``--configs`` / ``--swapped``: BLOCK_N,BLOCK_K,STAGES of the kernels (``--configs`` uses BLOCK_N 64 for gate/up). Prints
 microseconds per layer, the weights' bandwidth, and the largest difference from ``cublas``;
 with ``OUT`` set writes ``pdl_chain.json`` there.
 """
@@ -65,6 +69,74 @@ if triton is not None:
         for k in range(BLOCK_K, K, BLOCK_K):
             acc += tl.dot(tl.load(x_tile + k), tl.load(w_tile + k))
         tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swapped_kernel(
+        w_ptr, x_ptr, out_ptr, K, k_per_split, N, stride_w, stride_x, stride_out,
+        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """out = x (M, K) @ w (N, K).T with the operands swapped, as the float8 decode kernel does:
+        a tile of BLOCK_N weight rows times all M input rows, over this program's part of K.
+        SPLIT > 1: float32 partial sums (SPLIT, M, N) for :func:`_sum_parts_kernel`."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(1) * k_per_split
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.arange(0, M)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + k_start
+        x_rows = x_ptr + rm[:, None] * stride_x + k_start
+        w = tl.load(w_rows + rk[None, :])  # independent of the kernel before: loaded before the wait
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        acc = tl.dot(w, tl.trans(tl.load(x_rows + rk[None, :])))  # (BLOCK_N, M) float32
+        for k in range(BLOCK_K, k_per_split, BLOCK_K):
+            acc = tl.dot(tl.load(w_rows + (k + rk)[None, :]), tl.trans(tl.load(x_rows + (k + rk)[None, :])), acc)
+        if SPLIT == 1:
+            tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + tl.program_id(1) * M * N + rm[None, :] * N + rn[:, None], acc)
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, out_ptr, N, stride_out, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """out[m, :] = the SPLIT partial sums of row m added in a fixed order, rounded once."""
+        m = tl.program_id(0)
+        rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = rn < N
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        total = tl.zeros((BLOCK,), tl.float32)
+        for s in range(SPLIT):
+            total += tl.load(part_ptr + (s * tl.num_programs(0) + m) * N + rn, mask=inside, other=0.0)
+        tl.store(out_ptr + m * stride_out + rn, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def swapped_split(N: int, K: int, block_n: int, block_k: int, sms: int = 132) -> int:
+    """K parts for an (N, K) weight: the fewest that give every multiprocessor a program (at most
+    16), each part a whole number of K blocks."""
+    tiles, blocks = N // block_n, K // block_k
+    wanted = -(-sms // tiles)
+    fits = [s for s in range(1, 17) if blocks % s == 0]
+    return next((s for s in fits if s >= wanted), fits[-1])
+
+
+def swapped_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, parts: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool) -> torch.Tensor:
+    """``out`` = x @ w.T by :func:`_swapped_kernel`, K split by :func:`swapped_split` and the
+    parts added by :func:`_sum_parts_kernel` (``parts``: float32 scratch of >= 16 x M x N)."""
+    N, K = w.shape
+    assert x.shape == (ROWS, K) and N % block_n == 0 and K % block_k == 0, (x.shape, w.shape, block_n, block_k)
+    split = swapped_split(N, K, block_n, block_k)
+    extra = {"launch_pdl": True} if pdl else {}
+    _swapped_kernel[(N // block_n, split)](
+        w, x, out if split == 1 else parts, K, K // split, N, w.stride(0), x.stride(0), out.stride(0),
+        M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, num_warps=4, num_stages=stages, **extra,
+    )
+    if split > 1:
+        _sum_parts_kernel[(ROWS, triton.cdiv(N, 1024))](parts, out, N, out.stride(0), SPLIT=split, BLOCK=1024, PDL=pdl, num_warps=4, **extra)
+    return out
 
 
 def rows_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool) -> torch.Tensor:
@@ -127,7 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["qwen2.5-1.5b"], choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--configs", nargs="+", default=["16,128,3", "16,256,3", "32,128,4"])
+    parser.add_argument("--configs", nargs="*", default=["32,128,4"])
+    parser.add_argument("--swapped", nargs="*", default=["64,128,4", "64,128,3", "64,256,3"], help="BLOCK_N,BLOCK_K,STAGES of the swapped-operand kernel")
     args = parser.parse_args()
     assert torch.cuda.is_available() and triton is not None, "needs a CUDA GPU with Triton"
     torch.manual_seed(0)
@@ -146,6 +219,21 @@ def main() -> None:
         reference = chain(x, weights, cublas, buffers).float().clone()
         row: dict[str, Any] = {"shape": shape, "layers": args.layers, "weights_MB": weight_bytes / 1e6}
         row["cublas_us"] = graph_us(lambda: chain(x, weights, cublas, buffers))
+        parts = torch.empty(16 * ROWS * max(widths), device="cuda", dtype=torch.float32)
+        for spec in args.swapped:
+            block_n, block_k, stages = (int(v) for v in spec.split(","))
+            for pdl in (False, True):
+                name = f"swapped{'-pdl' if pdl else ''}[{spec}]"
+
+                def product(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, which: int, bn=block_n, bk=block_k, st=stages, p=pdl) -> torch.Tensor:
+                    return swapped_product(a, w, out, parts, bn, bk, st, p)
+
+                try:
+                    got = chain(x, weights, product, buffers).float()
+                    row[f"{name}_us"] = graph_us(lambda: chain(x, weights, product, buffers))
+                    row[f"{name}_error"] = ((got - reference).abs().max() / reference.abs().max()).item()
+                except Exception as error:
+                    row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
         for spec in args.configs:
             block_n, block_k, stages = (int(v) for v in spec.split(","))
             for pdl in (False, True):

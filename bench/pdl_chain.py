@@ -28,11 +28,16 @@ with ``OUT`` set writes ``pdl_chain.json`` there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import graph_time_us, write_json  # noqa: E402
 
 try:
     import triton
@@ -173,28 +178,6 @@ def chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], product: Any
     return x
 
 
-def graph_us(fn: Any, replays: int = 20) -> float:
-    """Microseconds per replay of ``fn`` captured in a CUDA graph (after warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / replays
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["qwen2.5-1.5b"], choices=sorted(SHAPES))
@@ -218,7 +201,7 @@ def main() -> None:
 
         reference = chain(x, weights, cublas, buffers).float().clone()
         row: dict[str, Any] = {"shape": shape, "layers": args.layers, "weights_MB": weight_bytes / 1e6}
-        row["cublas_us"] = graph_us(lambda: chain(x, weights, cublas, buffers))
+        row["cublas_us"] = graph_time_us([lambda: chain(x, weights, cublas, buffers)], repeats=20)
         parts = torch.empty(16 * ROWS * max(widths), device="cuda", dtype=torch.float32)
         for spec in args.swapped:
             block_n, block_k, stages = (int(v) for v in spec.split(","))
@@ -230,7 +213,7 @@ def main() -> None:
 
                 try:
                     got = chain(x, weights, product, buffers).float()
-                    row[f"{name}_us"] = graph_us(lambda: chain(x, weights, product, buffers))
+                    row[f"{name}_us"] = graph_time_us([lambda: chain(x, weights, product, buffers)], repeats=20)
                     row[f"{name}_error"] = ((got - reference).abs().max() / reference.abs().max()).item()
                 except Exception as error:
                     row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
@@ -244,7 +227,7 @@ def main() -> None:
 
                 try:
                     got = chain(x, weights, product, buffers).float()
-                    row[f"{name}_us"] = graph_us(lambda: chain(x, weights, product, buffers))
+                    row[f"{name}_us"] = graph_time_us([lambda: chain(x, weights, product, buffers)], repeats=20)
                     row[f"{name}_error"] = ((got - reference).abs().max() / reference.abs().max()).item()
                 except Exception as error:  # a launch option or setting this Triton refuses
                     row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
@@ -259,11 +242,8 @@ def main() -> None:
         results.append(row)
         del weights
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "pdl_chain.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    if os.environ.get("OUT"):
+        write_json(Path(os.environ["OUT"]) / "pdl_chain.json", {"device": torch.cuda.get_device_name(), "results": results})
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ if triton is not None:
 
     @triton.jit
     def _swapped_kernel(
-        w_ptr, x_ptr, out_ptr, K, k_per_split, N, stride_w, stride_x, stride_out,
+        w_ptr, x_ptr, out_ptr, bias_ptr, K, k_per_split, N, stride_w, stride_x, stride_out,
         M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+        BIAS: tl.constexpr,
     ):
         """out = x (M, K) @ w (N, K).T with the operands swapped, as the float8 decode kernel does:
         a tile of BLOCK_N weight rows times all M input rows, over this program's part of K.
@@ -100,13 +101,15 @@ if triton is not None:
         for k in range(BLOCK_K, k_per_split, BLOCK_K):
             acc = tl.dot(tl.load(w_rows + (k + rk)[None, :]), tl.trans(tl.load(x_rows + (k + rk)[None, :])), acc)
         if SPLIT == 1:
+            if BIAS:
+                acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
             tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty))
         else:
             tl.store(out_ptr + tl.program_id(1) * M * N + rm[None, :] * N + rn[:, None], acc)
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, out_ptr, N, stride_out, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """out[m, :] = the SPLIT partial sums of row m added in a fixed order, rounded once."""
+    def _sum_parts_kernel(part_ptr, out_ptr, bias_ptr, N, stride_out, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, BIAS: tl.constexpr):
+        """out[m, :] = the SPLIT partial sums of row m added in a fixed order (then the bias), rounded once."""
         m = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = rn < N
@@ -116,6 +119,8 @@ if triton is not None:
         total = tl.zeros((BLOCK,), tl.float32)
         for s in range(SPLIT):
             total += tl.load(part_ptr + (s * tl.num_programs(0) + m) * N + rn, mask=inside, other=0.0)
+        if BIAS:
+            total += tl.load(bias_ptr + rn, mask=inside, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_out + rn, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -128,20 +133,92 @@ def swapped_split(N: int, K: int, block_n: int, block_k: int, sms: int = 132) ->
     return next((s for s in fits if s >= wanted), fits[-1])
 
 
-def swapped_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, parts: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool) -> torch.Tensor:
-    """``out`` = x @ w.T by :func:`_swapped_kernel`, K split by :func:`swapped_split` and the
-    parts added by :func:`_sum_parts_kernel` (``parts``: float32 scratch of >= 16 x M x N)."""
+def swapped_product(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, parts: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out`` = x @ w.T (+ ``bias``) by :func:`_swapped_kernel`, K split by
+    :func:`swapped_split` and the parts added by :func:`_sum_parts_kernel` (``parts``: float32
+    scratch of >= 16 x M x N). M (x's rows) a power of two from 16 to 128."""
     N, K = w.shape
-    assert x.shape == (ROWS, K) and N % block_n == 0 and K % block_k == 0, (x.shape, w.shape, block_n, block_k)
+    M = x.shape[0]
+    assert x.shape[1] == K and M in (16, 32, 64, 128) and N % block_n == 0 and K % block_k == 0, (x.shape, w.shape, block_n, block_k)
     split = swapped_split(N, K, block_n, block_k)
     extra = {"launch_pdl": True} if pdl else {}
+    b = w if bias is None else bias  # not read without a bias
     _swapped_kernel[(N // block_n, split)](
-        w, x, out if split == 1 else parts, K, K // split, N, w.stride(0), x.stride(0), out.stride(0),
-        M=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, num_warps=4, num_stages=stages, **extra,
+        w, x, out if split == 1 else parts, b, K, K // split, N, w.stride(0), x.stride(0), out.stride(0),
+        M=M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=pdl, BIAS=bias is not None, num_warps=4, num_stages=stages, **extra,
     )
     if split > 1:
-        _sum_parts_kernel[(ROWS, triton.cdiv(N, 1024))](parts, out, N, out.stride(0), SPLIT=split, BLOCK=1024, PDL=pdl, num_warps=4, **extra)
+        _sum_parts_kernel[(M, triton.cdiv(N, 1024))](
+            parts, out, b, N, out.stride(0), SPLIT=split, BLOCK=1024, PDL=pdl, BIAS=bias is not None, num_warps=4, **extra
+        )
     return out
+
+
+# -- the decode step with these products (bench/profile_decode.py's ``swapped`` and ``pdl`` variants)
+
+
+@torch.library.custom_op("grpo_bench::swapped_mm", mutates_args=())
+def swapped_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T + bias by :func:`swapped_product` on a GPU (64 x 128 tiles, 4
+    stages); ``F.linear`` elsewhere."""
+    if x.device.type != "cuda":
+        return torch.nn.functional.linear(x, w, bias)
+    N = w.shape[0]
+    out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    parts = torch.empty(16 * x.shape[0] * N, dtype=torch.float32, device=x.device)
+    return swapped_product(x, w, out, parts, 64, 128, 4, pdl, bias)
+
+
+@swapped_mm.register_fake
+def _(x, w, bias, pdl):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("grpo_bench::pdl_rope_window_attention", mutates_args=("k_cache", "v_cache"))
+def pdl_rope_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The decode attention kernel launched with programmatic dependent launch (the torch
+    operations off a GPU)."""
+    from grpo_plugins.generators.decode_attention import rope_window_attention, run_rope_kernel
+
+    if q.device.type != "cuda":
+        return rope_window_attention(q, k, v, cos, sin, k_cache, v_cache, index, bias, scale)
+    return run_rope_kernel(q, k, v, cos, sin, k_cache, v_cache, index, bias, scale, pdl=True)
+
+
+@pdl_rope_window_attention.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, index, bias, scale):  # type: ignore[no-untyped-def]
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    return q.new_empty(B, Hkv, Hq // Hkv, D)
+
+
+def make_decode_layer(pdl: bool) -> Any:
+    """The static generator's decode layer (``decode_layer``, merged layers) with every product
+    by :func:`swapped_mm`, launched with PDL when ``pdl`` (then the attention too; compile it
+    with inductor's ``triton.enable_pdl`` for its own kernels)."""
+    from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention
+
+    def decode_layer(parts, layer, h, pending, cos, sin, k_all, v_all, bias, index):  # type: ignore[no-untyped-def]
+        attend = pdl_rope_window_attention if pdl else fused_rope_window_attention if parts.fused_attention else rope_window_attention
+        B = h.shape[0]
+        h = h + pending
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = swapped_mm(layer.input_layernorm(h).reshape(B, -1), attn.qkv_proj.weight, attn.qkv_proj.bias, pdl)
+        q, k, v = qkv.split(attn.qkv_sizes, dim=-1)
+        q = q.view(B, parts.num_heads, parts.head_dim)
+        k, v = k.view(B, parts.num_kv_heads, parts.head_dim), v.view(B, parts.num_kv_heads, parts.head_dim)
+        o = attend(q, k, v, cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling)
+        h = h + swapped_mm(o.reshape(B, -1), attn.o_proj.weight, attn.o_proj.bias, pdl).view(B, 1, -1)
+        gate, up = swapped_mm(layer.post_attention_layernorm(h).reshape(B, -1), mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pdl).chunk(2, dim=-1)
+        return h, swapped_mm(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias, pdl).view(B, 1, -1)
+
+    return decode_layer
 
 
 def rows_product(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, stages: int, pdl: bool) -> torch.Tensor:

@@ -19,7 +19,10 @@ the copy is small); ``matmul``: ``dynamic`` with the decode attention as torch o
 (``fused_attention: false``); ``fp8``: ``dynamic``
 decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
 matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
-window over the whole cache (every step reads all of it, as before attention windows).
+window over the whole cache (every step reads all of it, as before attention windows);
+``swapped`` / ``pdl``: merged weights with every product by ``bench/pdl_chain.py``'s
+swapped-operand Triton kernel, and the same with every kernel of the layer launched with
+programmatic dependent launch (the products, the attention, inductor's own kernels).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -54,6 +57,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
+    "swapped": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": False},
+    "pdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": True},
 }
 
 
@@ -67,13 +72,22 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
     )
+    layer_fn = decode_layer
+    if variant.get("swapped"):
+        from bench.pdl_chain import make_decode_layer
+
+        layer_fn = make_decode_layer(variant["pdl"])
     if variant.get("compile"):
-        kw = {"fullgraph": True, "dynamic": variant["dynamic"]}
+        kw: dict[str, Any] = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):
             kw["mode"] = variant["mode"]
+        if variant.get("pdl"):
+            kw["options"] = {"triton.enable_pdl": True}
         dec._compiled_step = functools.partial(
-            decode_step, layer_fn=torch.compile(decode_layer, **kw), head_fn=torch.compile(decode_head, **kw)
+            decode_step, layer_fn=torch.compile(layer_fn, **kw), head_fn=torch.compile(decode_head, **kw)
         )
+    elif layer_fn is not decode_layer:
+        dec._compiled_step = functools.partial(decode_step, layer_fn=layer_fn)
     return dec
 
 

@@ -234,13 +234,15 @@ def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: p
     from grpo_plugins.generators import decode_attention as da
 
     pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
-    for partial in (False, True):  # the window in one program; a part of it, sums left for the combine
+    # The window in one program; a part of it, sums left for the combine; launched early (PDL).
+    for partial, pdl in ((False, False), (True, False), (False, True)):
         signature = {
             **pointers, "index_ptr": "*i64", "bias_ptr": "*fp32", "scale": "fp32",
             "part_ptr": "*fp32" if partial else "*bf16", "stat_ptr": "*fp32" if partial else "*bf16",
             **{name: "i32" for name in da._rope_window_attention_kernel.arg_names if name.startswith("stride") or name in ("W", "per_split", "splits")},
         }
-        asm = compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial})
-        assert "cubin" in asm and "ld.global" in str(asm["ptx"])
-    asm = compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128})
-    assert "cubin" in asm
+        asm = compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial, "PDL": pdl})
+        assert "cubin" in asm and "ld.global" in str(asm["ptx"]) and ("griddepcontrol.wait" in str(asm["ptx"])) == pdl
+    for pdl in (False, True):
+        asm = compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128, "PDL": pdl})
+        assert "cubin" in asm

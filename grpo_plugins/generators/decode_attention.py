@@ -40,6 +40,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only torch builds ship without Triton
     triton = None  # type: ignore[assignment]
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without programmatic dependent launch (pdl=True then fails)
+    gdc_launch_dependents = gdc_wait = None
 
 #: Keys per block of the kernel's loop over the window.
 BLOCK_W = 64
@@ -171,8 +175,11 @@ if triton is not None:
         stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
         stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        PARTIAL: tl.constexpr,
+        PARTIAL: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched early (programmatic dependent launch): everything read below is the kernels' before
+            gdc_launch_dependents()
+            gdc_wait()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -229,7 +236,10 @@ if triton is not None:
             tl.store(stat_ptr + 2 * row + 1, total, mask=rg < G)
 
     @triton.jit
-    def _combine_kernel(o_ptr, part_ptr, stat_ptr, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+    def _combine_kernel(o_ptr, part_ptr, stat_ptr, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid = tl.program_id(0)
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
@@ -274,12 +284,14 @@ def run_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
     splits: int | None = None, block: int = BLOCK_W, warps: int | None = None, stages: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
     programs per (row, key/value head), each over its own part of the window, their partial
     softmax sums then combined by a second kernel (None: :func:`window_splits`, where the split
     form passed its check on this device). ``block``, ``warps``, ``stages``: the kernel's keys
-    per block and launch settings (None: Triton's defaults), for benchmarks."""
+    per block and launch settings (None: Triton's defaults), ``pdl`` programmatic dependent
+    launch, for benchmarks (``bench/pdl_chain.py``)."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
@@ -311,11 +323,12 @@ def run_rope_kernel(
         q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, splits, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1, PDL=pdl,
         **({} if warps is None else {"num_warps": warps}), **({} if stages is None else {"num_stages": stages}),
+        **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:  # the split count is a runtime argument: one compiled kernel for every window
-        _combine_kernel[(B * Hkv,)](out, parts, stats, splits, G=G, GP=GP, D=D)
+        _combine_kernel[(B * Hkv,)](out, parts, stats, splits, G=G, GP=GP, D=D, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

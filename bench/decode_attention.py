@@ -7,7 +7,8 @@ several (the default rule, ``window_splits``, and others), against the torch ope
 [--launch 64,4,3 128,8,3]``
 
 ``--launch`` times the kernel (parts by the default rule) with other keys per block, warps and
-pipeline stages (``BLOCK,WARPS,STAGES``).
+pipeline stages (``BLOCK,WARPS,STAGES``); ``--early`` with its cache loads not waiting for the
+new token's index.
 
 Each case is replayed in a CUDA graph over enough layers' caches (>= 256 MB in all) that the
 keys and values come from memory, not from L2. Prints microseconds per layer and the bandwidth
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="fixed splits timed besides the default rule")
     parser.add_argument("--launch", nargs="*", default=[], help="BLOCK,WARPS,STAGES launch settings timed besides the default")
     parser.add_argument("--shapes", nargs="*", default=None, help="only these shape names")
+    parser.add_argument("--early", action="store_true", help="also time the kernel with its cache loads not waiting for the index")
     args = parser.parse_args()
     launches = [tuple(int(x) for x in spec.split(",")) for spec in args.launch]
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -67,12 +69,15 @@ def main() -> None:
                 row[f"splits{splits}_us"] = graph_time_us(
                     [lambda c=c, s=splits: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, splits=s) for c in caches]
                 )
+            if args.early:
+                row["early_us"] = graph_time_us([lambda c=c: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, early=True) for c in caches])
             for block, warps, stages in launches:
                 row[f"launch{block},{warps},{stages}_us"] = graph_time_us(
                     [lambda c=c, b=block, w=warps, s=stages: run_rope_kernel(q, k, v, cos, sin, c[0], c[1], index, bias, scale, block=b, warps=w, stages=s) for c in caches]
                 )
             fixed = "  ".join(f"{s}:{row[f'splits{s}_us']:.1f}" for s in args.splits)
             fixed += "".join(f"  [{b},{w},{s}]:{row[f'launch{b},{w},{s}_us']:.1f}" for b, w, s in launches)
+            fixed += f"  early:{row['early_us']:.1f}" if args.early else ""
             print(
                 f"{name:13} {B:3} rows  W {W:5}  torch {row['torch_us']:7.1f} us  default ({row['default_splits']} parts) "
                 f"{row['default_us']:6.1f} us ({kv_bytes / row['default_us'] / 1e6:.2f} TB/s)  fixed parts {fixed}",

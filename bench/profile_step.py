@@ -136,7 +136,16 @@ def main() -> None:
         help="let the training passes use cuDNN's attention first (a candidate: the passes without a padding mask "
         "have no query row that attends to nothing, which is what its NaN needs)",
     )
+    parser.add_argument(
+        "--keep-logits", action="store_true",
+        help="a candidate: the log-prob chunks keep their logits for backward instead of recomputing the LM head there "
+        "(more memory: a chunk's logits per chunk of a pass)",
+    )
     args = parser.parse_args()
+    if args.keep_logits:
+        import grpo_plugins.logprobs as logprobs
+
+        logprobs.checkpoint = lambda fn, *inputs, use_reentrant=False: fn(*inputs)  # type: ignore[assignment]
     if args.cudnn_attention:
         import contextlib
 

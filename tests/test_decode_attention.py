@@ -92,9 +92,10 @@ for B, Hkv, G, D, S, W, cur in [(3, 2, 6, 64, 200, 130, 127), (2, 4, 7, 128, 80,
     want = rope_window_attention(q, k, v, cos, sin, want_k, want_v, index, bias, 0.125)
     # The whole window in one program, and split over programs (the parts after the new token,
     # and a padded row's first part, wholly masked) with their sums combined; other block sizes.
-    for splits, block in ((None, 64), (2, 64), (3, 64), (1, 128), (2, 32)):
+    # The cache's slots loaded before the index (early), the new token's discarded.
+    for splits, block, early in ((None, 64, False), (2, 64, False), (3, 64, False), (1, 128, False), (2, 32, False), (None, 64, True), (3, 64, True)):
         got_k, got_v = (c.clone() for c in caches)
-        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125, splits=splits, block=block)
+        got = run_rope_kernel(q, k, v, cos, sin, got_k, got_v, index, bias, 0.125, splits=splits, block=block, early=early)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
         assert torch.equal(got_v, want_v) and not torch.equal(got_k, caches[0])
@@ -235,13 +236,13 @@ def test_the_attention_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: p
 
     pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
     # The window in one program; a part of it, sums left for the combine; launched early (PDL).
-    for partial, pdl in ((False, False), (True, False), (False, True)):
+    for partial, pdl, early in ((False, False, False), (True, False, False), (False, True, True)):
         signature = {
             **pointers, "index_ptr": "*i64", "bias_ptr": "*fp32", "scale": "fp32",
             "part_ptr": "*fp32" if partial else "*bf16", "stat_ptr": "*fp32" if partial else "*bf16",
             **{name: "i32" for name in da._rope_window_attention_kernel.arg_names if name.startswith("stride") or name in ("W", "per_split", "splits")},
         }
-        asm = compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial, "PDL": pdl})
+        asm = compile_for_hopper(da._rope_window_attention_kernel, signature, {"HKV": 2, "G": 6, "GP": 16, "D": 128, "BLOCK": 64, "PARTIAL": partial, "PDL": pdl, "EARLY": early})
         assert "cubin" in asm and "ld.global" in str(asm["ptx"]) and ("griddepcontrol.wait" in str(asm["ptx"])) == pdl
     for pdl in (False, True):
         asm = compile_for_hopper(da._combine_kernel, {"o_ptr": "*bf16", "part_ptr": "*fp32", "stat_ptr": "*fp32", "splits": "i32"}, {"G": 6, "GP": 16, "D": 128, "PDL": pdl})

@@ -175,7 +175,7 @@ if triton is not None:
         stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
         stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        PARTIAL: tl.constexpr, PDL: tl.constexpr,
+        PARTIAL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         if PDL:  # launched early (programmatic dependent launch): everything read below is the kernels' before
             gdc_launch_dependents()
@@ -212,7 +212,9 @@ if triton is not None:
         for w0 in range(start, tl.minimum(start + per_split, W), BLOCK):
             rw = w0 + tl.arange(0, BLOCK)
             inside = rw < W
-            stored = inside & (rw != cur)  # the slot written above is not read back
+            # The slot written above is not read back; or (EARLY) it is read, old or new value
+            # alike, and not used, so that no load waits for the index.
+            stored = inside if EARLY else inside & (rw != cur)
             k = tl.load(k_base + rw[:, None] * stride_kcs + rd[None, :], mask=stored[:, None], other=0.0)  # (BLOCK, D)
             s = tl.dot(q, tl.trans(k)) * scale  # (GP, BLOCK) float32
             s = tl.where((rw == cur)[None, :], score_new[:, None], s)
@@ -223,6 +225,8 @@ if triton is not None:
             p = tl.exp(s - shift[:, None])
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_base + rw[:, None] * stride_vcs + rd[None, :], mask=stored[:, None], other=0.0)  # (BLOCK, D)
+            if EARLY:
+                v = tl.where((rw == cur)[:, None], 0.0, v)
             p16 = p.to(dtype)
             p_new = tl.sum(tl.where((rw == cur)[None, :], p16.to(tl.float32), 0.0), 1)  # (GP,)
             acc = acc * alpha[:, None] + tl.dot(p16, v) + p_new[:, None] * v_new.to(tl.float32)[None, :]
@@ -284,14 +288,15 @@ def run_rope_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor, scale: float,
     splits: int | None = None, block: int = BLOCK_W, warps: int | None = None, stages: int | None = None,
-    pdl: bool = False,
+    pdl: bool = False, early: bool = False,
 ) -> torch.Tensor:
     """:func:`fused_rope_window_attention`'s work by the Triton kernel (see there); ``splits``:
     programs per (row, key/value head), each over its own part of the window, their partial
     softmax sums then combined by a second kernel (None: :func:`window_splits`, where the split
     form passed its check on this device). ``block``, ``warps``, ``stages``: the kernel's keys
     per block and launch settings (None: Triton's defaults), ``pdl`` programmatic dependent
-    launch, for benchmarks (``bench/pdl_chain.py``)."""
+    launch, ``early`` the cache loads without waiting for the new token's index (its slot read
+    and discarded), for benchmarks (``bench/pdl_chain.py``, ``bench/decode_attention.py``)."""
     if triton is None:
         raise RuntimeError("the fused decode attention needs Triton")
     B, Hq, D = q.shape
@@ -323,7 +328,7 @@ def run_rope_kernel(
         q, k, v, cos, sin, k_cache, v_cache, index, bias, out, parts, stats, W, per_split, splits, scale,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1, PDL=pdl,
+        bias.stride(0), HKV=Hkv, G=G, GP=GP, D=D, BLOCK=block, PARTIAL=splits > 1, PDL=pdl, EARLY=early,
         **({} if warps is None else {"num_warps": warps}), **({} if stages is None else {"num_stages": stages}),
         **({"launch_pdl": True} if pdl else {}),
     )

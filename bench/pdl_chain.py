@@ -255,12 +255,42 @@ def chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], product: Any
     return x
 
 
+def kernel_chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm: torch.Tensor, pdl: bool, configs: dict[str, dict[str, int]]) -> torch.Tensor:
+    """The decode layer's kernels of ``grpo_plugins.generators.decode_kernels`` without the
+    attention: add + norm, q/k/v, o (partial sums), add + norm, gate/up with SiLU-multiply, down
+    (partial sums), through every layer. ``configs``: launch settings by product (qkv, o, gate_up, down)."""
+    from grpo_plugins.generators import decode_kernels as dk
+
+    H = x.shape[1]
+    h, pending = x, torch.zeros(1, *x.shape, device=x.device, dtype=x.dtype)
+    for qkv, o, gate_up, down in weights:
+        h, a = dk.run_add_rms_norm(h, pending, None, norm, 1e-6, pdl)
+        a = dk.product(a, qkv, pdl=pdl, config=configs.get("qkv"))
+        parts = dk.product(a[:, :H], o, split_out=True, pdl=pdl, config=configs.get("o"))
+        h, a = dk.run_add_rms_norm(h, parts, None, norm, 1e-6, pdl)
+        a = dk.product(a, gate_up, gated=True, pdl=pdl, config=configs.get("gate_up"))
+        pending = dk.product(a, down, split_out=True, pdl=pdl, config=configs.get("down"))
+    return dk.run_add_rms_norm(h, pending, None, norm, 1e-6, pdl)[0]
+
+
+def _kernel_configs(spec: str) -> dict[str, dict[str, int]]:
+    """``product:block_n,split,stages[;...]`` (e.g. ``gate_up:32,1,3;down:32,7,4``) -> configs."""
+    configs: dict[str, dict[str, int]] = {}
+    for part in filter(None, spec.split(";")):
+        name, values = part.split(":")
+        block_n, split, stages = (int(v) for v in values.split(","))
+        configs[name] = {"block_n": block_n, "split": split, "num_stages": stages}
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["qwen2.5-1.5b"], choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--configs", nargs="*", default=["32,128,4"])
     parser.add_argument("--swapped", nargs="*", default=["64,128,4", "64,128,3", "64,256,3"], help="BLOCK_N,BLOCK_K,STAGES of the swapped-operand kernel")
+    parser.add_argument("--kernels", nargs="*", default=[], help="decode_kernels' chain (with its two add-norms per layer) "
+                        "under these launch settings: 'plan' (its own) or 'product:block_n,split,stages;...' overrides")
     args = parser.parse_args()
     assert torch.cuda.is_available() and triton is not None, "needs a CUDA GPU with Triton"
     torch.manual_seed(0)
@@ -292,6 +322,16 @@ def main() -> None:
                     got = chain(x, weights, product, buffers).float()
                     row[f"{name}_us"] = graph_time_us([lambda: chain(x, weights, product, buffers)], repeats=20)
                     row[f"{name}_error"] = ((got - reference).abs().max() / reference.abs().max()).item()
+                except Exception as error:
+                    row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        norm = torch.rand(H, device="cuda").to(torch.bfloat16) + 0.5
+        for spec in args.kernels:
+            configs = {} if spec == "plan" else _kernel_configs(spec)
+            for pdl in (False, True):
+                name = f"kernels{'-pdl' if pdl else ''}[{spec}]"
+                try:
+                    kernel_chain(x, weights, norm, pdl, configs)
+                    row[f"{name}_us"] = graph_time_us([lambda: kernel_chain(x, weights, norm, pdl, configs)], repeats=20)
                 except Exception as error:
                     row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
         for spec in args.configs:

@@ -22,7 +22,10 @@ matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with o
 window over the whole cache (every step reads all of it, as before attention windows);
 ``swapped`` / ``pdl``: merged weights with every product by ``bench/pdl_chain.py``'s
 swapped-operand Triton kernel, and the same with every kernel of the layer launched with
-programmatic dependent launch (the products, the attention, inductor's own kernels).
+programmatic dependent launch (the products, the attention, inductor's own kernels);
+``kernels`` / ``kernels-nopdl``: the layers as the seven Triton kernels of
+``grpo_plugins.generators.decode_kernels`` (not compiled; the head compiled), with and without
+programmatic dependent launch.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -59,6 +62,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
     "swapped": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": False},
     "pdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": True},
+    "kernels": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True},
+    "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
 }
 
 
@@ -77,6 +82,16 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         from bench.pdl_chain import make_decode_layer
 
         layer_fn = make_decode_layer(variant["pdl"])
+    if variant.get("kernels"):  # the layers as Triton kernels, not compiled; the head compiled
+        from grpo_plugins.generators.decode_kernels import kernel_decode_layer
+        from grpo_plugins.generators.static_steps import kernel_decode_head
+
+        head = functools.partial(kernel_decode_head, pdl=variant["pdl"])
+        head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head
+        dec._compiled_step = functools.partial(
+            decode_step, layer_fn=functools.partial(kernel_decode_layer, pdl=variant["pdl"]), head_fn=head
+        )
+        return dec
     if variant.get("compile"):
         kw: dict[str, Any] = {"fullgraph": True, "dynamic": variant["dynamic"]}
         if variant.get("mode"):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention, rotate_half
+from grpo_plugins.generators.decode_kernels import kernel_final_norm
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
 
@@ -319,7 +320,20 @@ def decode_head(
     """The final norm (of ``h + pending``, the last layer's residual stream), LM head and
     sampling of one decode step; records the token at column ``st.step`` and advances the
     counters."""
-    logits = parts.lm_head(parts.norm(h + pending))[:, 0].float()  # (B, V)
+    _sample_and_record(parts, st, s, pad_id, stop_at_eos, parts.norm(h + pending))
+
+
+def kernel_decode_head(
+    parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor,
+    pdl: bool = True,
+) -> None:
+    """:func:`decode_head` after :func:`~grpo_plugins.generators.decode_kernels.kernel_decode_layer`
+    layers, whose pending addend is the last down product's partial sums."""
+    _sample_and_record(parts, st, s, pad_id, stop_at_eos, kernel_final_norm(parts, h, pending, pdl))
+
+
+def _sample_and_record(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, x: torch.Tensor) -> None:
+    logits = parts.lm_head(x)[:, 0].float()  # (B, V)
     token, logp = sample_tokens(logits, st.seen, s)
     token = torch.where(st.done, pad_id, token)
     logp = torch.where(st.done, 0.0, logp)

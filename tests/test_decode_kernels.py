@@ -55,6 +55,12 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
     want_h = h + parts.sum(0).to(dtype)
     torch.testing.assert_close(h_new, want_h, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
     torch.testing.assert_close(normed.float(), norm(want_h).float(), rtol=tol, atol=tol)
+# the check the generator runs once per device passes, and names a kernel that is wrong
+assert dk.kernels_fault(torch.device("cpu"), torch.float16, False) is None
+dk.kernels_fault.cache_clear()
+real = dk.run_add_rms_norm
+dk.run_add_rms_norm = lambda h, parts, bias, weight, eps, pdl=True: (lambda r: (r[0], r[1] * 1.1))(real(h, parts, bias, weight, eps, pdl))
+assert "RMSNorm differs" in dk.kernels_fault(torch.device("cpu"), torch.float16, False)
 print("ok")
 """
 
@@ -129,3 +135,24 @@ def test_the_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.Monk
                  "N": "i32", "eps": "fp32", "stride_h": "i32", "stride_parts": "i32", "stride_part_row": "i32"}
     asm = compile_for_hopper(dk._add_rms_norm_kernel, signature, {"SPLIT": 7, "BLOCK": 2048, "BIAS": False, "PDL": True})
     assert "cubin" in asm and "griddepcontrol.wait" in str(asm["ptx"])
+
+
+def test_kernel_layers_where_they_cannot_run_is_an_error_naming_the_setting(tmp_path: Path) -> None:
+    import torch
+
+    from grpo_plugins.errors import GRPOPluginsError
+    from grpo_plugins.generators.static_decode import StaticDecoder
+    from grpo_plugins.kinds import SamplingSettings
+    from grpo_plugins.models import load_model
+    from grpo_plugins.testing.tiny import tiny_model_spec
+
+    model, _ = load_model(tiny_model_spec(tmp_path / "m", "qwen2"), dtype="float32", seed=0)
+    settings = SamplingSettings(max_completion_length=3)
+    with pytest.raises(GRPOPluginsError, match="kernel_layers cannot run here: they need a CUDA device; set kernel_layers: false"):
+        StaticDecoder(model, settings, eos_ids=[2], pad_id=0, compile=False, merge_weights=True, kernel_layers=True).generate([[5, 6]])
+    # auto (None) decodes with the decode layer here, as off
+    torch.manual_seed(0)
+    auto = StaticDecoder(model, settings, eos_ids=[2], pad_id=0, compile=False, kernel_layers=None).generate([[5, 6]])
+    torch.manual_seed(0)
+    off = StaticDecoder(model, settings, eos_ids=[2], pad_id=0, compile=False).generate([[5, 6]])
+    assert torch.equal(auto[0], off[0])

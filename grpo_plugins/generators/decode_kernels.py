@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from grpo_plugins.errors import GRPOPluginsError
+
 try:
     import triton
     import triton.language as tl
@@ -293,3 +295,53 @@ def kernel_final_norm(parts: Any, h: torch.Tensor, pending: torch.Tensor, pdl: b
     """The final norm of ``h`` plus the last :func:`kernel_decode_layer`'s pending partial sums (B, 1, H)."""
     B = h.shape[0]
     return add_rms_norm(h.reshape(B, -1), _pending_parts(pending, B), parts.norm.weight, _eps(parts.norm), pdl).view(B, 1, -1)
+
+
+@functools.cache
+def kernels_fault(device: torch.device, dtype: torch.dtype, pdl: bool = True) -> str | None:
+    """Why the kernels (launched with PDL where ``pdl``) cannot be trusted on ``device`` (None:
+    on small random inputs each agrees with the torch arithmetic it replaces); checked once per
+    device and dtype."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    M, N, K = 24, 96, 512
+    x, w, b, gate_up = rand(M, K), rand(N, K, scale=K**-0.5), rand(N), rand(2 * N, K, scale=K**-0.5)
+    norm_weight, h = rand(N), rand(M, N)
+    try:
+        got = product(x, w, b, pdl=pdl)
+        parts = product(x, w, split_out=True, pdl=pdl, config={"split": 4})
+        act = product(x, gate_up, gated=True, pdl=pdl)
+        h_new, normed = run_add_rms_norm(h, parts, None, norm_weight, 1e-6, pdl)
+    except Exception as error:  # a Triton or driver that cannot build or launch them
+        return f"the kernels do not run ({type(error).__name__}: {error})"
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    want_h = h + torch.nn.functional.linear(x, w)
+    variance = want_h.float().pow(2).mean(-1, keepdim=True)
+    checks = {
+        "product": (got, torch.nn.functional.linear(x, w, b)),
+        "split product": (parts.sum(0), torch.nn.functional.linear(x.float(), w.float())),
+        "SiLU-gated product": (act, torch.nn.functional.silu(gate) * up),
+        "residual addition": (h_new, want_h),
+        "RMSNorm": (normed, norm_weight * (want_h.float() * torch.rsqrt(variance + 1e-6)).to(dtype)),
+    }
+    for name, (have, want) in checks.items():
+        if not torch.allclose(have.float(), want.float(), rtol=3e-2, atol=3e-2):
+            return f"its {name} differs from torch's by {(have.float() - want.float()).abs().max().item():.3g}"
+    return None
+
+
+def use_kernel_layers(parts: Any, rows: int, wanted: bool | None) -> bool:
+    """Whether ``rows`` rows of these (merged) decoder parts decode with
+    :func:`kernel_decode_layer`: ``wanted``, or where they can run and pass
+    :func:`kernels_fault`'s check when None; True where they cannot is an error naming the setting."""
+    if wanted is False:
+        return False
+    reason = kernel_layers_unsupported(parts, rows)
+    if reason is None:
+        reason = kernels_fault(parts.embed.weight.device, parts.embed.weight.dtype)
+    if reason is not None and wanted:
+        raise GRPOPluginsError(f"generator 'static': kernel_layers cannot run here: {reason}; set kernel_layers: false")
+    return reason is None

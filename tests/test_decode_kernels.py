@@ -118,6 +118,8 @@ def test_the_plan_fills_the_multiprocessors() -> None:
     expect = [(2048, 1536, False, 32, 4), (1536, 1536, False, 32, 4), (1536, 8960, False, 32, 5), (8960, 1536, True, 16, 1)]
     for n, k, gated, block_n, split in expect:
         assert plan(64, n, k, 132, gated) == {"block_n": block_n, "block_k": 128, "split": split, "num_warps": 4, "num_stages": 4}
+    # q/k/v is not split (its sums go to the attention whole): 128 16-row programs
+    assert plan(64, 2048, 1536, 132, whole=True) == {"block_n": 16, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 4}
     assert plan(64, 48, 960, 132) == {"block_n": 16, "block_k": 64, "split": 5, "num_warps": 4, "num_stages": 4}
 
 

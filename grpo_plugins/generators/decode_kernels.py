@@ -129,10 +129,10 @@ SHARED_MEMORY = 227 * 1024
 STAGES = 4
 
 
-def plan(M: int, N: int, K: int, sms: int, gated: bool = False) -> dict[str, int]:
+def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = False) -> dict[str, int]:
     """Launch settings of an (M, K) x (N, K).T product: weight tiles of 64, 32 or 16 rows, K in
-    128-deep blocks, split into equal parts (at most 8; ``gated`` products, whose epilogue needs
-    whole sums, never). Chosen to give the busiest multiprocessor the fewest weight bytes: a
+    128-deep blocks, split into equal parts (at most 8; not for ``gated`` products, whose
+    epilogue needs whole sums, nor where the caller wants ``whole`` sums). Chosen to give the busiest multiprocessor the fewest weight bytes: a
     program's tile times its part of K, times the waves its programs come in (as many at once
     per multiprocessor as their pipelines fit its shared memory); ties go to larger tiles
     (fewer re-reads of the input), then to fewer parts."""
@@ -143,7 +143,7 @@ def plan(M: int, N: int, K: int, sms: int, gated: bool = False) -> dict[str, int
     for block_n in (b for b in (64, 32, 16) if N % b == 0):
         shared = STAGES * block_k * 2 * (block_n * (2 if gated else 1) + block_m)
         at_once = sms * max(1, SHARED_MEMORY // shared)
-        for split in [1] if gated else [s for s in range(1, 9) if blocks % s == 0]:
+        for split in [1] if gated or whole else [s for s in range(1, 9) if blocks % s == 0]:
             waves = -(-(N // block_n) * split // at_once)
             cost = (waves * block_n * (2 if gated else 1) * K / split, -block_n, split)
             if best is None or cost < best[0]:
@@ -170,7 +170,7 @@ def product(
     ``config``: launch settings instead of :func:`plan`'s (benchmarks)."""
     M, K = x.shape
     N = w.shape[0] // 2 if gated else w.shape[0]
-    settings = plan(M, N, K, _sms(x.device), gated) | (config or {})
+    settings = plan(M, N, K, _sms(x.device), gated, whole=not split_out) | (config or {})
     split = settings["split"] if split_out and not gated else 1
     if N % settings["block_n"] or K % (split * settings["block_k"]):
         raise ValueError(f"launch settings {settings} do not divide an ({N}, {K}) weight")

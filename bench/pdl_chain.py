@@ -274,12 +274,16 @@ def kernel_chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm:
 
 
 def _kernel_configs(spec: str) -> dict[str, dict[str, int]]:
-    """``product:block_n,split,stages[;...]`` (e.g. ``gate_up:32,1,3;down:32,7,4``) -> configs."""
+    """``product:block_n,split,stages[,pre][;...]`` (e.g. ``gate_up:32,1,3,2;down:32,7,4``) ->
+    configs; ``*`` for every product, ``-`` for the plan's value; pre: weight blocks loaded
+    before the PDL wait."""
     configs: dict[str, dict[str, int]] = {}
     for part in filter(None, spec.split(";")):
         name, values = part.split(":")
-        block_n, split, stages = (int(v) for v in values.split(","))
-        configs[name] = {"block_n": block_n, "split": split, "num_stages": stages}
+        fields = zip(("block_n", "split", "num_stages", "pre"), values.split(","))
+        config = {key: int(value) for key, value in fields if value != "-"}  # "-": the plan's
+        for product in ("qkv", "o", "gate_up", "down") if name == "*" else (name,):
+            configs[product] = config
     return configs
 
 

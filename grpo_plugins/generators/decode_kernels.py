@@ -48,11 +48,12 @@ if triton is not None:
     def _product_kernel(
         w_ptr, x_ptr, out_ptr, bias_ptr, M, N, K, k_per_split, stride_x, stride_out,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+        SPLIT: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
     ):
         """x (M, K) @ w (N, K).T for BLOCK_N output columns and this program's part of K.
         GATED: w is (2N, K), gate rows over up rows; stores SiLU(x @ gate.T) * (x @ up.T).
-        SPLIT > 1: stores float32 partial sums (SPLIT, M, N) (no bias) for add_rms_norm."""
+        SPLIT > 1: stores float32 partial sums (SPLIT, M, N) (no bias) for add_rms_norm.
+        PRE (1-4): blocks of weights loaded before waiting for the kernel before (PDL)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(1) * k_per_split
         rm = tl.arange(0, BLOCK_M)
@@ -61,17 +62,38 @@ if triton is not None:
         u_rows = w_rows + N * K
         x_rows = x_ptr + rm[:, None] * stride_x + k_start + rk[None, :]
         rows = rm[:, None] < M
-        w = tl.load(w_rows)  # weights do not depend on the kernel before: loaded before the wait
-        if GATED:
-            u = tl.load(u_rows)
+        # Weights do not depend on the kernel before: the first PRE blocks load before the wait,
+        # while that kernel finishes.
+        w0 = tl.load(w_rows)
+        u0 = tl.load(u_rows) if GATED else w0
+        if PRE > 1:
+            w1 = tl.load(w_rows + BLOCK_K)
+            u1 = tl.load(u_rows + BLOCK_K) if GATED else w1
+        if PRE > 2:
+            w2 = tl.load(w_rows + 2 * BLOCK_K)
+            u2 = tl.load(u_rows + 2 * BLOCK_K) if GATED else w2
+        if PRE > 3:
+            w3 = tl.load(w_rows + 3 * BLOCK_K)
+            u3 = tl.load(u_rows + 3 * BLOCK_K) if GATED else w3
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         x = tl.trans(tl.load(x_rows, mask=rows, other=0.0))  # (BLOCK_K, BLOCK_M)
-        acc = tl.dot(w, x)  # (BLOCK_N, BLOCK_M) float32
-        if GATED:
-            acc_u = tl.dot(u, x)
-        for k in range(BLOCK_K, k_per_split, BLOCK_K):
+        acc = tl.dot(w0, x)  # (BLOCK_N, BLOCK_M) float32
+        acc_u = tl.dot(u0, x) if GATED else acc
+        if PRE > 1:
+            x = tl.trans(tl.load(x_rows + BLOCK_K, mask=rows, other=0.0))
+            acc = tl.dot(w1, x, acc)
+            acc_u = tl.dot(u1, x, acc_u) if GATED else acc
+        if PRE > 2:
+            x = tl.trans(tl.load(x_rows + 2 * BLOCK_K, mask=rows, other=0.0))
+            acc = tl.dot(w2, x, acc)
+            acc_u = tl.dot(u2, x, acc_u) if GATED else acc
+        if PRE > 3:
+            x = tl.trans(tl.load(x_rows + 3 * BLOCK_K, mask=rows, other=0.0))
+            acc = tl.dot(w3, x, acc)
+            acc_u = tl.dot(u3, x, acc_u) if GATED else acc
+        for k in range(PRE * BLOCK_K, k_per_split, BLOCK_K):
             x = tl.trans(tl.load(x_rows + k, mask=rows, other=0.0))
             acc = tl.dot(tl.load(w_rows + k), x, acc)
             if GATED:
@@ -149,7 +171,7 @@ def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = Fa
             if best is None or cost < best[0]:
                 best = (cost, block_n, split)
     assert best is not None, f"no tile divides {N} rows"
-    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES}
+    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": 1}
 
 
 def product_unsupported(N: int, K: int) -> str | None:
@@ -181,7 +203,7 @@ def product(
     _product_kernel[(N // settings["block_n"], split)](
         w, x, out, w if bias is None else bias, M, N, K, K // split, x.stride(0), N,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=settings["block_n"], BLOCK_K=settings["block_k"],
-        SPLIT=split, BIAS=bias is not None and split == 1, GATED=gated, PDL=pdl,
+        SPLIT=split, BIAS=bias is not None and split == 1, GATED=gated, PDL=pdl, PRE=min(settings["pre"], K // split // settings["block_k"]),
         num_warps=settings["num_warps"], num_stages=settings["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return out if split > 1 or not split_out else out[None]

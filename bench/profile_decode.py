@@ -25,7 +25,8 @@ swapped-operand Triton kernel, and the same with every kernel of the layer launc
 programmatic dependent launch (the products, the attention, inductor's own kernels);
 ``kernels`` / ``kernels-nopdl``: the layers as the seven Triton kernels of
 ``grpo_plugins.generators.decode_kernels`` (not compiled; the head compiled), with and without
-programmatic dependent launch.
+programmatic dependent launch; ``kernels-pre2`` / ``-pre4``: each product loading 2 / 4 blocks
+of weights before it waits for the kernel before.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -63,6 +64,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "swapped": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": False},
     "pdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": True},
     "kernels": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True},
+    "kernels-pre2": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 2},
+    "kernels-pre4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 4},
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
 }
 
@@ -83,7 +86,10 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
         layer_fn = make_decode_layer(variant["pdl"])
     if variant.get("kernels"):  # the layers as Triton kernels, not compiled; the head compiled
+        from grpo_plugins.generators import decode_kernels
         from grpo_plugins.generators.decode_kernels import kernel_decode_layer
+
+        decode_kernels.PRE_BLOCKS = variant.get("pre", 1)
         from grpo_plugins.generators.static_steps import kernel_decode_head
 
         head = functools.partial(kernel_decode_head, pdl=variant["pdl"])

@@ -149,6 +149,8 @@ def _sms(device: torch.device) -> int:
 #: Shared memory per multiprocessor that the programs' pipelines may fill (Hopper: 227 KiB).
 SHARED_MEMORY = 227 * 1024
 STAGES = 4
+#: Blocks of weights each product loads before it waits for the kernel before (1-4).
+PRE_BLOCKS = 1
 
 
 def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = False) -> dict[str, int]:
@@ -171,7 +173,7 @@ def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = Fa
             if best is None or cost < best[0]:
                 best = (cost, block_n, split)
     assert best is not None, f"no tile divides {N} rows"
-    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": 1}
+    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": PRE_BLOCKS}
 
 
 def product_unsupported(N: int, K: int) -> str | None:

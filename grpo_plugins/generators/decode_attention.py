@@ -177,9 +177,6 @@ if triton is not None:
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
         PARTIAL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
-        if PDL:  # launched early (programmatic dependent launch): everything read below is the kernels' before
-            gdc_launch_dependents()
-            gdc_wait()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HKV
@@ -190,6 +187,12 @@ if triton is not None:
         sign = tl.where(rd < D // 2, -1.0, 1.0)
         cos = tl.load(cos_ptr + b * stride_cb + rd).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_sb + rd).to(tl.float32) * sign
+        cur = tl.load(index_ptr)
+        if PDL:  # launched early (programmatic dependent launch): q, k and v are the kernel before's
+            # output; the rotation, the index (written before the step's first launch of this
+            # kind) and the cache's other slots (earlier steps') are not.
+            gdc_launch_dependents()
+            gdc_wait()
         dtype = kc_ptr.dtype.element_ty
         heads = q_ptr + b * stride_qb + (h * G + rg)[:, None] * D
         live = rg[:, None] < G
@@ -198,7 +201,6 @@ if triton is not None:
         key = k_ptr + b * stride_kb + h * D
         k_new = (tl.load(key + rd).to(tl.float32) * cos + tl.load(key + turn).to(tl.float32) * sin).to(dtype)  # (D,)
         v_new = tl.load(v_ptr + b * stride_vb + h * D + rd).to(dtype)
-        cur = tl.load(index_ptr)
         k_base = kc_ptr + b * stride_kcb + h * stride_kch
         v_base = vc_ptr + b * stride_vcb + h * stride_vch
         if split == 0:  # one program per (row, head) writes; no program reads the slot back

@@ -256,10 +256,10 @@ def chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], product: Any
 
 
 def kernel_chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm: torch.Tensor, pdl: bool, configs: dict[str, dict[str, int]]) -> torch.Tensor:
-    """The decode layer's kernels of ``grpo_plugins.generators.decode_kernels`` without the
+    """The decode layer's kernels of ``bench/decode_kernels.py`` without the
     attention: add + norm, q/k/v, o (partial sums), add + norm, gate/up with SiLU-multiply, down
     (partial sums), through every layer. ``configs``: launch settings by product (qkv, o, gate_up, down)."""
-    from grpo_plugins.generators import decode_kernels as dk
+    from bench import decode_kernels as dk
 
     H = x.shape[1]
     h, pending = x, torch.zeros(1, *x.shape, device=x.device, dtype=x.dtype)

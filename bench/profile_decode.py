@@ -24,7 +24,7 @@ window over the whole cache (every step reads all of it, as before attention win
 swapped-operand Triton kernel, and the same with every kernel of the layer launched with
 programmatic dependent launch (the products, the attention, inductor's own kernels);
 ``kernels`` / ``kernels-nopdl``: the layers as the seven Triton kernels of
-``grpo_plugins.generators.decode_kernels`` (not compiled; the head compiled), with and without
+``bench/decode_kernels.py`` (not compiled; the head compiled), with and without
 programmatic dependent launch; ``kernels-pre2`` / ``-pre4``: each product loading 2 / 4 blocks
 of weights before it waits for the kernel before.
 

@@ -90,11 +90,6 @@ class StaticCacheGenerator(Generator):
             description="Compute the decode step's attention, with the new token's RoPE and cache writes, as one Triton kernel that reads the window's keys and values once, instead of torch operations (two batched products and a softmax; 7B LoRA on an H200: 5.7 instead of 6.7 ms per generated token). Default: on where it can run (a CUDA device with Triton, a bfloat16 or float16 model, head dimension a power of two from 16 to 256) and where it agrees with the torch operations in a check once per device; false keeps the torch operations.",
         )
 
-        kernel_layers: bool | None = Field(
-            False,
-            description="Decode each layer as seven Triton kernels launched with programmatic dependent launch (CUDA, Hopper or newer; merged 16-bit weight copies, Llama-style layers with RMSNorm and SiLU, at most 128 rows a step): the residual additions and norms, the SiLU-multiply and the products' split-K sums fused into the products' neighbours, and each kernel loading its first weights while the one before finishes. Checked once per device against torch's arithmetic. None: where it can run; true where it cannot is an error.",
-        )
-
     samples_from_policy = True
     # Prompts with images: the vision-language model's own forward fills the cache, then the
     # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
@@ -154,7 +149,6 @@ class StaticCacheGenerator(Generator):
             max_batch_rows=self.params.max_batch_rows,
             fp8=self.params.fp8,
             fused_attention=self.params.fused_attention,
-            kernel_layers=self.params.kernel_layers,
         )
 
     @contextlib.contextmanager

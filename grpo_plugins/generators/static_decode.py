@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,7 +35,6 @@ from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.fp8_base import float8_unsupported
 from grpo_plugins.generators.common import cut_at_eos
 from grpo_plugins.generators.decode_attention import use_fused_attention
-from grpo_plugins.generators.decode_kernels import kernel_decode_layer, use_kernel_layers
 from grpo_plugins.generators.static_layers import (
     SUPPORTED_MODEL_TYPES,
     DecoderParts,
@@ -47,13 +47,9 @@ from grpo_plugins.generators.static_layers import (
 )
 from grpo_plugins.generators.static_steps import (
     DecodeState,
-    attention_windows,
-    batch_bucket,
-    bucket,
     decode_head,
     decode_layer,
     decode_step,
-    kernel_decode_head,
     prefill_distinct,
     prefill_with_images,
     process_logits,
@@ -82,6 +78,27 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def bucket(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def batch_bucket(n: int) -> int:
+    """The batch rows a graph is built for: the next power of two, at least 8."""
+    return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[int]:
+    """The attention windows (cache slots read) of the decode graphs for prompts of ``P`` and
+    completions of ``T`` tokens: ``P + step``, ``P + 2 step``, ... up to ``P + T - 1`` (the last
+    token fed back sits at cache index ``P + T - 2``), the step widened so that there are at
+    most ``most`` windows. Every window is narrower than the cache (``P + T`` slots), so one
+    compiled layer serves them all: a window as wide as the cache would be traced differently."""
+    n = max(1, T - 1)
+    step = max(step, math.ceil(n / most))
+    return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
 
 
 def _with_compile_settings(step: Callable[..., None], *args: Any, **kwargs: Any) -> None:
@@ -169,9 +186,6 @@ class StaticDecoder:
             (fused products: ~10% faster decoding at 0.5B-1.5B).
         fused_attention: the decode attention as one Triton kernel
             (:mod:`~grpo_plugins.generators.decode_attention`); None (auto): where it can run.
-        kernel_layers: decode each layer as the Triton kernels of
-            :mod:`~grpo_plugins.generators.decode_kernels` (merged 16-bit copies, at most 128
-            rows); None (auto): where they can run; True where they cannot is an error.
     """
 
     def __init__(
@@ -194,7 +208,6 @@ class StaticDecoder:
         window_step: int = 128,
         fp8: bool = False,
         fused_attention: bool | None = None,
-        kernel_layers: bool | None = False,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -214,8 +227,6 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
-        self._kernel_step: Callable[..., None] | None = None
-        self.kernel_layers = kernel_layers
         self._merged: list[MergedLayer] | None = None
         reason = merged_layers_supported(self.parts)
         if fp8:
@@ -256,13 +267,6 @@ class StaticDecoder:
             self._compiled_step = fn
         return self._compiled_step
 
-    def _kernel_step_fn(self) -> Callable[..., None]:
-        """The decode step with :func:`kernel_decode_layer` layers (Triton kernels, not compiled)."""
-        if self._kernel_step is None:
-            head = compile_region(kernel_decode_head, fullgraph=True, backend=self.compile_backend) if self.compile else kernel_decode_head
-            self._kernel_step = functools.partial(decode_step, layer_fn=kernel_decode_layer, head_fn=head)
-        return self._kernel_step
-
     def _graph(self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype) -> _Graph:
         key = (B, P, T)
         if key in self._graphs:
@@ -274,7 +278,7 @@ class StaticDecoder:
             parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
         )
         st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
-        step = self._kernel_step_fn() if use_kernel_layers(parts, B, self.kernel_layers) else self._step_fn()
+        step = self._step_fn()
         args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
         windows = attention_windows(P, T, self.window_step)
         eager = [functools.partial(step, *args, window=w) for w in windows]

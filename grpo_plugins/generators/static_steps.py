@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -11,30 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention, rotate_half
-from grpo_plugins.generators.decode_kernels import kernel_final_norm
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
-
-
-def bucket(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple``."""
-    return max(multiple, math.ceil(n / multiple) * multiple)
-
-
-def batch_bucket(n: int) -> int:
-    """The batch rows a graph is built for: the next power of two, at least 8."""
-    return max(8, 1 << (max(n, 1) - 1).bit_length())
-
-
-def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[int]:
-    """The attention windows (cache slots read) of the decode graphs for prompts of ``P`` and
-    completions of ``T`` tokens: ``P + step``, ``P + 2 step``, ... up to ``P + T - 1`` (the last
-    token fed back sits at cache index ``P + T - 2``), the step widened so that there are at
-    most ``most`` windows. Every window is narrower than the cache (``P + T`` slots), so one
-    compiled layer serves them all: a window as wide as the cache would be traced differently."""
-    n = max(1, T - 1)
-    step = max(step, math.ceil(n / most))
-    return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
 
 
 def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings) -> torch.Tensor:
@@ -342,19 +319,12 @@ def decode_head(
     """The final norm (of ``h + pending``, the last layer's residual stream), LM head and
     sampling of one decode step; records the token at column ``st.step`` and advances the
     counters."""
-    _sample_and_record(parts, st, s, pad_id, stop_at_eos, parts.norm(h + pending))
+    sample_and_record(parts, st, s, pad_id, stop_at_eos, parts.norm(h + pending))
 
 
-def kernel_decode_head(
-    parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor,
-    pdl: bool = True,
-) -> None:
-    """:func:`decode_head` after :func:`~grpo_plugins.generators.decode_kernels.kernel_decode_layer`
-    layers, whose pending addend is the last down product's partial sums."""
-    _sample_and_record(parts, st, s, pad_id, stop_at_eos, kernel_final_norm(parts, h, pending, pdl))
-
-
-def _sample_and_record(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, x: torch.Tensor) -> None:
+def sample_and_record(parts: DecoderParts, st: DecodeState, s: SamplingSettings, pad_id: int, stop_at_eos: bool, x: torch.Tensor) -> None:
+    """:func:`decode_head` after its final norm: the LM head on ``x`` (B, 1, H), sampling, the
+    token recorded and the counters advanced."""
     logits = parts.lm_head(x)[:, 0].float()  # (B, V)
     token, logp = sample_tokens(logits, st.seen, s)
     token = torch.where(st.done, pad_id, token)

@@ -1,18 +1,19 @@
-"""A decode layer as seven Triton kernels launched back to back (``kernel_layers``).
+"""A decode layer as seven Triton kernels launched back to back, with and without programmatic
+dependent launch (PDL): an experiment on the static generator's decode step (a negative result,
+bench/RESULTS.md; profile_decode's ``kernels`` variants and pdl_chain's ``--kernels`` run it).
 
 At 64 rows a decode step is a chain of ~10 kernels per layer, each of which streams a little
-memory after a fixed start-up and ramp-down of a few microseconds; at 0.5B-1.5B those fixed costs
-are about a third of the step. This path cuts the chain to seven kernels per layer and launches
-each with programmatic dependent launch (PDL), so that a kernel's programs start - and load their
-first block of weights - while the one before it finishes:
+memory after a fixed start-up and ramp-down of a few microseconds. This path cuts the chain to
+seven kernels per layer and can launch each with PDL, so that a kernel's programs start - and
+load their first blocks of weights - while the one before it finishes:
 
-1. :func:`add_rms_norm`: the residual addition (the previous product's split-K partial sums
+1. :func:`run_add_rms_norm`: the residual addition (the previous product's split-K partial sums
    added in a fixed order, rounded to the model's dtype) and the RMSNorm;
 2. the q/k/v product with its bias (:func:`product`, operands swapped: a tile of weight rows
    times all the batch's rows);
-3. the decode attention kernel (:mod:`~grpo_plugins.generators.decode_attention`);
+3. the static generator's decode attention kernel;
 4. the o product, its partial sums left for 5.;
-5. :func:`add_rms_norm` again;
+5. :func:`run_add_rms_norm` again;
 6. the gate/up product with SiLU(gate) * up in its epilogue;
 7. the down product, its partial sums left for the next layer's 1. (or the final norm).
 
@@ -26,8 +27,6 @@ import functools
 from typing import Any
 
 import torch
-
-from grpo_plugins.errors import GRPOPluginsError
 
 try:
     import triton
@@ -176,13 +175,6 @@ def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = Fa
     return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": PRE_BLOCKS}
 
 
-def product_unsupported(N: int, K: int) -> str | None:
-    """Why :func:`product` cannot take an (N, K) weight (None: it can)."""
-    if K % 64 or N % 16:
-        return f"the decode kernels take weights whose rows are a multiple of 64 long and whose row count is a multiple of 16, not ({N}, {K})"
-    return None
-
-
 def product(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False, split_out: bool = False,
     pdl: bool = True, config: dict[str, int] | None = None,
@@ -228,7 +220,7 @@ def run_add_rms_norm(
     return h_out, x_out
 
 
-@torch.library.custom_op("grpo_plugins::add_rms_norm", mutates_args=())
+@torch.library.custom_op("grpo_bench::add_rms_norm", mutates_args=())
 def add_rms_norm(h: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool) -> torch.Tensor:
     """:func:`run_add_rms_norm`'s normed output, as an op ``torch.compile`` can call (the final
     norm before the LM head)."""
@@ -250,53 +242,14 @@ def _pending_parts(pending: torch.Tensor, B: int) -> torch.Tensor:
     return pending if pending.shape[1] == B else pending.reshape(1, B, -1)
 
 
-def _is_rms_norm(norm: Any) -> bool:
-    return type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
-
-
-def kernel_layers_unsupported(parts: Any, rows: int) -> str | None:
-    """Why :func:`kernel_decode_layer` cannot decode ``rows`` rows of these (merged) decoder
-    layers (None: it can)."""
-    weight = parts.embed.weight
-    if weight.device.type != "cuda":
-        return "they need a CUDA device"
-    if triton is None or gdc_wait is None:
-        return "they need Triton with programmatic dependent launch"
-    if weight.dtype not in (torch.bfloat16, torch.float16):
-        return f"they take bfloat16 or float16 models, not {str(weight.dtype).removeprefix('torch.')}"
-    if rows > MAX_ROWS:
-        return f"they take at most {MAX_ROWS} rows at a time, not {rows}"
-    if not parts.fused_attention:
-        return "they need the fused decode attention"
-    if not _is_rms_norm(parts.norm):
-        return "the final norm is not an RMSNorm"
-    for layer in parts.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(attn, "qkv_proj") or getattr(attn.qkv_proj, "fp8", True):
-            return "they need the merged 16-bit projection copies (merge_weights, no fp8)"
-        if getattr(attn, "q_norm", None) is not None:
-            return "query/key norms are not supported"
-        if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
-            return "a layer's norms are not RMSNorms"
-        if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-            return f"the MLP's activation is {type(mlp.act_fn).__name__}, not SiLU"
-        if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
-            return "the o and down projections carry a bias"
-        for linear, halves in ((attn.qkv_proj, 1), (attn.o_proj, 1), (mlp.gate_up_proj, 2), (mlp.down_proj, 1)):
-            N, K = linear.weight.shape
-            reason = product_unsupported(N // halves, K)
-            if reason is not None:
-                return reason
-    return None
-
-
 def kernel_decode_layer(
     parts: Any, layer: Any, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_all: torch.Tensor, v_all: torch.Tensor, bias: torch.Tensor, index: torch.Tensor, pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The static decode loop's ``decode_layer`` as the seven kernels of this module (a merged
-    layer, see :func:`kernel_layers_unsupported`): the same arguments and residual hand-over,
-    except that the returned pending addend is the down product's (S, B, H) partial sums."""
+    16-bit layer with RMSNorms and SiLU, no query/key norms, no o or down bias, at most
+    :data:`MAX_ROWS` rows): the same arguments and residual hand-over, except that the returned
+    pending addend is the down product's (S, B, H) partial sums."""
     from grpo_plugins.generators.decode_attention import run_rope_kernel
 
     B = h.shape[0]
@@ -321,51 +274,10 @@ def kernel_final_norm(parts: Any, h: torch.Tensor, pending: torch.Tensor, pdl: b
     return add_rms_norm(h.reshape(B, -1), _pending_parts(pending, B), parts.norm.weight, _eps(parts.norm), pdl).view(B, 1, -1)
 
 
-@functools.cache
-def kernels_fault(device: torch.device, dtype: torch.dtype, pdl: bool = True) -> str | None:
-    """Why the kernels (launched with PDL where ``pdl``) cannot be trusted on ``device`` (None:
-    on small random inputs each agrees with the torch arithmetic it replaces); checked once per
-    device and dtype."""
-    g = torch.Generator(device="cpu").manual_seed(0)
+def kernel_decode_head(
+    parts: Any, st: Any, s: Any, pad_id: int, stop_at_eos: bool, h: torch.Tensor, pending: torch.Tensor, pdl: bool = True
+) -> None:
+    """The static loop's ``decode_head`` after :func:`kernel_decode_layer` layers."""
+    from grpo_plugins.generators.static_steps import sample_and_record
 
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
-
-    M, N, K = 24, 96, 512
-    x, w, b, gate_up = rand(M, K), rand(N, K, scale=K**-0.5), rand(N), rand(2 * N, K, scale=K**-0.5)
-    norm_weight, h = rand(N), rand(M, N)
-    try:
-        got = product(x, w, b, pdl=pdl)
-        parts = product(x, w, split_out=True, pdl=pdl, config={"split": 4})
-        act = product(x, gate_up, gated=True, pdl=pdl)
-        h_new, normed = run_add_rms_norm(h, parts, None, norm_weight, 1e-6, pdl)
-    except Exception as error:  # a Triton or driver that cannot build or launch them
-        return f"the kernels do not run ({type(error).__name__}: {error})"
-    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-    want_h = h + torch.nn.functional.linear(x, w)
-    variance = want_h.float().pow(2).mean(-1, keepdim=True)
-    checks = {
-        "product": (got, torch.nn.functional.linear(x, w, b)),
-        "split product": (parts.sum(0), torch.nn.functional.linear(x.float(), w.float())),
-        "SiLU-gated product": (act, torch.nn.functional.silu(gate) * up),
-        "residual addition": (h_new, want_h),
-        "RMSNorm": (normed, norm_weight * (want_h.float() * torch.rsqrt(variance + 1e-6)).to(dtype)),
-    }
-    for name, (have, want) in checks.items():
-        if not torch.allclose(have.float(), want.float(), rtol=3e-2, atol=3e-2):
-            return f"its {name} differs from torch's by {(have.float() - want.float()).abs().max().item():.3g}"
-    return None
-
-
-def use_kernel_layers(parts: Any, rows: int, wanted: bool | None) -> bool:
-    """Whether ``rows`` rows of these (merged) decoder parts decode with
-    :func:`kernel_decode_layer`: ``wanted``, or where they can run and pass
-    :func:`kernels_fault`'s check when None; True where they cannot is an error naming the setting."""
-    if wanted is False:
-        return False
-    reason = kernel_layers_unsupported(parts, rows)
-    if reason is None:
-        reason = kernels_fault(parts.embed.weight.device, parts.embed.weight.dtype)
-    if reason is not None and wanted:
-        raise GRPOPluginsError(f"generator 'static': kernel_layers cannot run here: {reason}; set kernel_layers: false")
-    return reason is None
+    sample_and_record(parts, st, s, pad_id, stop_at_eos, kernel_final_norm(parts, h, pending, pdl))

@@ -152,6 +152,25 @@ STAGES = 4
 PRE_BLOCKS = 1
 
 
+#: "waves" (:func:`plan`'s model) or "wide" (:func:`wide_plan`)
+PLAN = "waves"
+
+
+def wide_plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = False) -> dict[str, int]:
+    """64-row weight tiles wherever they give every multiprocessor a program, K split into the
+    fewest whole-block parts (at most 8) that do; products that are not split (``gated``,
+    ``whole``) take the widest tile that gives every multiprocessor a program (16 rows at least)."""
+    sizes = [b for b in (64, 32, 16) if N % b == 0]
+    block_k = 128 if K % 128 == 0 else 64
+    blocks = K // block_k
+    if gated or whole:
+        block_n = next((b for b in sizes if N // b >= sms), sizes[-1])
+        return {"block_n": block_n, "block_k": block_k, "split": 1, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS}
+    fits = [s for s in range(1, 9) if blocks % s == 0]
+    split = next((s for s in fits if (N // sizes[0]) * s >= sms), fits[-1])
+    return {"block_n": sizes[0], "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS}
+
+
 def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = False) -> dict[str, int]:
     """Launch settings of an (M, K) x (N, K).T product: weight tiles of 64, 32 or 16 rows, K in
     128-deep blocks, split into equal parts (at most 8; not for ``gated`` products, whose
@@ -186,7 +205,8 @@ def product(
     ``config``: launch settings instead of :func:`plan`'s (benchmarks)."""
     M, K = x.shape
     N = w.shape[0] // 2 if gated else w.shape[0]
-    settings = plan(M, N, K, _sms(x.device), gated, whole=not split_out) | (config or {})
+    chosen = wide_plan if PLAN == "wide" else plan
+    settings = chosen(M, N, K, _sms(x.device), gated, whole=not split_out) | (config or {})
     split = settings["split"] if split_out and not gated else 1
     if N % settings["block_n"] or K % (split * settings["block_k"]):
         raise ValueError(f"launch settings {settings} do not divide an ({N}, {K}) weight")

@@ -26,7 +26,8 @@ programmatic dependent launch (the products, the attention, inductor's own kerne
 ``kernels`` / ``kernels-nopdl``: the layers as the seven Triton kernels of
 ``bench/decode_kernels.py`` (not compiled; the head compiled), with and without
 programmatic dependent launch; ``kernels-pre2`` / ``-pre4``: each product loading 2 / 4 blocks
-of weights before it waits for the kernel before.
+of weights before it waits for the kernel before; ``kernels-wide`` / ``kernels-wide-nopdl``: the
+products under the float8 kernel's launch plan (64- and 128-row tiles) instead.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -66,6 +67,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kernels": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True},
     "kernels-pre2": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 2},
     "kernels-pre4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 4},
+    "kernels-wide": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "plan": "wide"},
+    "kernels-wide-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False, "plan": "wide"},
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
 }
 
@@ -90,6 +93,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         from grpo_plugins.generators.decode_kernels import kernel_decode_layer
 
         decode_kernels.PRE_BLOCKS = variant.get("pre", 1)
+        decode_kernels.PLAN = variant.get("plan", "waves")
         from grpo_plugins.generators.static_steps import kernel_decode_head
 
         head = functools.partial(kernel_decode_head, pdl=variant["pdl"])

@@ -163,9 +163,9 @@ def wide_plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool
     sizes = [b for b in (64, 32, 16) if N % b == 0]
     block_k = 128 if K % 128 == 0 else 64
     blocks = K // block_k
-    if gated or whole:
+    if gated or whole:  # three stages: a gated 64-row tile's four would overflow shared memory
         block_n = next((b for b in sizes if N // b >= sms), sizes[-1])
-        return {"block_n": block_n, "block_k": block_k, "split": 1, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS}
+        return {"block_n": block_n, "block_k": block_k, "split": 1, "num_warps": 4, "num_stages": 3, "pre": PRE_BLOCKS}
     fits = [s for s in range(1, 9) if blocks % s == 0]
     split = next((s for s in fits if (N // sizes[0]) * s >= sms), fits[-1])
     return {"block_n": sizes[0], "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS}

@@ -89,12 +89,11 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
         layer_fn = make_decode_layer(variant["pdl"])
     if variant.get("kernels"):  # the layers as Triton kernels, not compiled; the head compiled
-        from grpo_plugins.generators import decode_kernels
-        from grpo_plugins.generators.decode_kernels import kernel_decode_layer
+        from bench import decode_kernels
+        from bench.decode_kernels import kernel_decode_head, kernel_decode_layer
 
         decode_kernels.PRE_BLOCKS = variant.get("pre", 1)
         decode_kernels.PLAN = variant.get("plan", "waves")
-        from grpo_plugins.generators.static_steps import kernel_decode_head
 
         head = functools.partial(kernel_decode_head, pdl=variant["pdl"])
         head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head

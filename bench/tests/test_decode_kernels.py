@@ -86,16 +86,22 @@ with torch.no_grad():  # biases and norm weights start at 0 and 1, where droppin
         if "bias" in name or "norm" in name:
             p.add_(torch.randn_like(p) * 0.3)
 results = []
-for kernels in (False, True):
-    dec = StaticDecoder(model, SamplingSettings(max_completion_length=6, temperature=1.0), eos_ids=[0], pad_id=0,
-                        compile=False, stop_at_eos=False, merge_weights=True)
-    if kernels:
+import bench.profile_decode as profile
+# the decode layer, the kernel layers as wired here and as profile_decode wires them (both plans)
+for variant in ({"merge_weights": True}, None, {"merge_weights": True, "kernels": True, "pdl": False},
+                {"merge_weights": True, "kernels": True, "pdl": False, "plan": "wide"}):
+    if variant is None:
+        dec = StaticDecoder(model, SamplingSettings(max_completion_length=6, temperature=1.0), eos_ids=[0], pad_id=0,
+                            compile=False, stop_at_eos=False, merge_weights=True)
         dec._compiled_step = functools.partial(
             decode_step, layer_fn=functools.partial(kernel_decode_layer, pdl=False), head_fn=functools.partial(kernel_decode_head, pdl=False))
+    else:
+        dec = profile._decoder(model, 6, variant)
     torch.manual_seed(4)
     results.append(dec.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]]))
-assert torch.equal(results[1][0], results[0][0]), (results[0][0], results[1][0])
-torch.testing.assert_close(results[1][3], results[0][3], rtol=1e-5, atol=1e-5)
+for got in results[1:]:
+    assert torch.equal(got[0], results[0][0]), (results[0][0], got[0])
+    torch.testing.assert_close(got[3], results[0][3], rtol=1e-5, atol=1e-5)
 print("ok")
 """
 

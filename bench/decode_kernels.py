@@ -44,25 +44,9 @@ MAX_ROWS = 128
 if triton is not None:
 
     @triton.jit
-    def _product_kernel(
-        w_ptr, x_ptr, out_ptr, bias_ptr, M, N, K, k_per_split, stride_x, stride_out,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
-    ):
-        """x (M, K) @ w (N, K).T for BLOCK_N output columns and this program's part of K.
-        GATED: w is (2N, K), gate rows over up rows; stores SiLU(x @ gate.T) * (x @ up.T).
-        SPLIT > 1: stores float32 partial sums (SPLIT, M, N) (no bias) for add_rms_norm.
-        PRE (1-4): blocks of weights loaded before waiting for the kernel before (PDL)."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_start = tl.program_id(1) * k_per_split
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * K + k_start + rk[None, :]
-        u_rows = w_rows + N * K
-        x_rows = x_ptr + rm[:, None] * stride_x + k_start + rk[None, :]
-        rows = rm[:, None] < M
-        # Weights do not depend on the kernel before: the first PRE blocks load before the wait,
-        # while that kernel finishes.
+    def _peeled(w_rows, u_rows, x_rows, rows, k_per_split, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+        """The K loop with its first PRE weight blocks loaded before the wait (PDL): the weights
+        do not depend on the kernel before, so they load while that kernel finishes."""
         w0 = tl.load(w_rows)
         u0 = tl.load(u_rows) if GATED else w0
         if PRE > 1:
@@ -97,6 +81,42 @@ if triton is not None:
             acc = tl.dot(tl.load(w_rows + k), x, acc)
             if GATED:
                 acc_u = tl.dot(tl.load(u_rows + k), x, acc_u)
+        return acc, acc_u
+
+    @triton.jit
+    def _product_kernel(
+        w_ptr, x_ptr, out_ptr, bias_ptr, M, N, K, k_per_split, stride_x, stride_out,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+        PEEL: tl.constexpr,
+    ):
+        """x (M, K) @ w (N, K).T for BLOCK_N output columns and this program's part of K.
+        GATED: w is (2N, K), gate rows over up rows; stores SiLU(x @ gate.T) * (x @ up.T).
+        SPLIT > 1: stores float32 partial sums (SPLIT, M, N) (no bias) for add_rms_norm.
+        PEEL: the first PRE (1-4) blocks of weights are loaded outside the K loop, before the
+        wait for the kernel before (PDL); else one loop, which Triton pipelines from its start
+        (the wait, with PDL, before it)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(1) * k_per_split
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * K + k_start + rk[None, :]
+        u_rows = w_rows + N * K
+        x_rows = x_ptr + rm[:, None] * stride_x + k_start + rk[None, :]
+        rows = rm[:, None] < M
+        if not PEEL:
+            if PDL:
+                gdc_launch_dependents()
+                gdc_wait()
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for k in range(0, k_per_split, BLOCK_K):
+                x = tl.trans(tl.load(x_rows + k, mask=rows, other=0.0))
+                acc = tl.dot(tl.load(w_rows + k), x, acc)
+                if GATED:
+                    acc_u = tl.dot(tl.load(u_rows + k), x, acc_u)
+        else:
+            acc, acc_u = _peeled(w_rows, u_rows, x_rows, rows, k_per_split, BLOCK_K, GATED, PDL, PRE)
         dtype = x_ptr.dtype.element_ty
         stored = rm[None, :] < M
         if SPLIT > 1:
@@ -148,8 +168,10 @@ def _sms(device: torch.device) -> int:
 #: Shared memory per multiprocessor that the programs' pipelines may fill (Hopper: 227 KiB).
 SHARED_MEMORY = 227 * 1024
 STAGES = 4
-#: Blocks of weights each product loads before it waits for the kernel before (1-4).
+#: Blocks of weights each product loads before it waits for the kernel before (1-4), where
+#: PEEL: the K loop's first blocks outside the loop (measured at 43d9c22 / ade5388, always so).
 PRE_BLOCKS = 1
+PEEL = False
 
 
 #: "waves" (:func:`plan`'s model) or "wide" (:func:`wide_plan`)
@@ -165,10 +187,10 @@ def wide_plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool
     blocks = K // block_k
     if gated or whole:  # three stages: a gated 64-row tile's four would overflow shared memory
         block_n = next((b for b in sizes if N // b >= sms), sizes[-1])
-        return {"block_n": block_n, "block_k": block_k, "split": 1, "num_warps": 4, "num_stages": 3, "pre": PRE_BLOCKS}
+        return {"block_n": block_n, "block_k": block_k, "split": 1, "num_warps": 4, "num_stages": 3, "pre": PRE_BLOCKS, "peel": PEEL}
     fits = [s for s in range(1, 9) if blocks % s == 0]
     split = next((s for s in fits if (N // sizes[0]) * s >= sms), fits[-1])
-    return {"block_n": sizes[0], "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS}
+    return {"block_n": sizes[0], "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 4, "pre": PRE_BLOCKS, "peel": PEEL}
 
 
 def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = False) -> dict[str, int]:
@@ -191,7 +213,7 @@ def plan(M: int, N: int, K: int, sms: int, gated: bool = False, whole: bool = Fa
             if best is None or cost < best[0]:
                 best = (cost, block_n, split)
     assert best is not None, f"no tile divides {N} rows"
-    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": PRE_BLOCKS}
+    return {"block_n": best[1], "block_k": block_k, "split": best[2], "num_warps": 4, "num_stages": STAGES, "pre": PRE_BLOCKS, "peel": PEEL}
 
 
 def product(
@@ -217,7 +239,7 @@ def product(
     _product_kernel[(N // settings["block_n"], split)](
         w, x, out, w if bias is None else bias, M, N, K, K // split, x.stride(0), N,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=settings["block_n"], BLOCK_K=settings["block_k"],
-        SPLIT=split, BIAS=bias is not None and split == 1, GATED=gated, PDL=pdl, PRE=min(settings["pre"], K // split // settings["block_k"]),
+        SPLIT=split, BIAS=bias is not None and split == 1, GATED=gated, PDL=pdl, PRE=min(settings["pre"], K // split // settings["block_k"]), PEEL=bool(settings["peel"]),
         num_warps=settings["num_warps"], num_stages=settings["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return out if split > 1 or not split_out else out[None]

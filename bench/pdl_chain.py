@@ -274,13 +274,13 @@ def kernel_chain(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], norm:
 
 
 def _kernel_configs(spec: str) -> dict[str, dict[str, int]]:
-    """``product:block_n,split,stages[,pre][;...]`` (e.g. ``gate_up:32,1,3,2;down:32,7,4``) ->
-    configs; ``*`` for every product, ``-`` for the plan's value; pre: weight blocks loaded
-    before the PDL wait."""
+    """``product:block_n,split,stages[,pre[,peel]][;...]`` (e.g. ``gate_up:32,1,3,2,1;down:32,7,4``)
+    -> configs; ``*`` for every product, ``-`` for the plan's value; pre: weight blocks loaded
+    before the PDL wait where peel is 1 (the K loop's first blocks outside it)."""
     configs: dict[str, dict[str, int]] = {}
     for part in filter(None, spec.split(";")):
         name, values = part.split(":")
-        fields = zip(("block_n", "split", "num_stages", "pre"), values.split(","))
+        fields = zip(("block_n", "split", "num_stages", "pre", "peel"), values.split(","))
         config = {key: int(value) for key, value in fields if value != "-"}  # "-": the plan's
         for product in ("qkv", "o", "gate_up", "down") if name == "*" else (name,):
             configs[product] = config

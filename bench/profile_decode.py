@@ -25,8 +25,9 @@ swapped-operand Triton kernel, and the same with every kernel of the layer launc
 programmatic dependent launch (the products, the attention, inductor's own kernels);
 ``kernels`` / ``kernels-nopdl``: the layers as the seven Triton kernels of
 ``bench/decode_kernels.py`` (not compiled; the head compiled), with and without
-programmatic dependent launch; ``kernels-pre2`` / ``-pre4``: each product loading 2 / 4 blocks
-of weights before it waits for the kernel before; ``kernels-wide`` / ``kernels-wide-nopdl``: the
+programmatic dependent launch (each product's K loop whole, the wait before it);
+``kernels-peel`` / ``-pre2`` / ``-pre4``: each product loading its first 1 / 2 / 4 blocks of
+weights outside the loop, before it waits for the kernel before (as measured at 43d9c22); ``kernels-wide`` / ``kernels-wide-nopdl``: the
 products under the float8 kernel's launch plan (64- and 128-row tiles) instead.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
@@ -65,8 +66,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "swapped": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": False},
     "pdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "swapped": True, "pdl": True},
     "kernels": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True},
-    "kernels-pre2": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 2},
-    "kernels-pre4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "pre": 4},
+    "kernels-peel": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "peel": True},
+    "kernels-pre2": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "peel": True, "pre": 2},
+    "kernels-pre4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "peel": True, "pre": 4},
     "kernels-wide": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "plan": "wide"},
     "kernels-wide-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False, "plan": "wide"},
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
@@ -94,6 +96,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
         decode_kernels.PRE_BLOCKS = variant.get("pre", 1)
         decode_kernels.PLAN = variant.get("plan", "waves")
+        decode_kernels.PEEL = variant.get("peel", False)
 
         head = functools.partial(kernel_decode_head, pdl=variant["pdl"])
         head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head

@@ -39,8 +39,9 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
         w, b = (torch.randn(N, K) / K**0.5).to(dtype), torch.randn(N).to(dtype)
         want = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(dk.product(x, w, b, pdl=False).float(), want, rtol=tol, atol=tol)
-        for pre in (2, 4):  # weight blocks loaded before the wait (at most K's)
-            torch.testing.assert_close(dk.product(x, w, b, pdl=False, config={"pre": pre, "block_k": 64}).float(), want, rtol=tol, atol=tol)
+        for pre in (1, 2, 4):  # the K loop's first weight blocks peeled off (at most K's)
+            got = dk.product(x, w, b, pdl=False, config={"pre": pre, "peel": 1, "block_k": 64})
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
         for split in (1, 2):  # partial sums over K, the bias left out
             if (K // 64) % split == 0:
                 parts = dk.product(x, w, split_out=True, pdl=False, config={"split": split, "block_k": 64})
@@ -49,8 +50,8 @@ for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
         gate_up, gate_up_bias = (torch.randn(2 * N, K) / K**0.5).to(dtype), torch.randn(2 * N).to(dtype)
         gate, up = F.linear(x.float(), gate_up.float(), gate_up_bias.float()).to(dtype).chunk(2, dim=-1)
         want = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
-        for pre in (1, 3):
-            got = dk.product(x, gate_up, gate_up_bias, gated=True, pdl=False, config={"pre": pre, "block_k": 64})
+        for peel, pre in ((0, 1), (1, 1), (1, 3)):
+            got = dk.product(x, gate_up, gate_up_bias, gated=True, pdl=False, config={"pre": pre, "peel": peel, "block_k": 64})
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     norm = Qwen2RMSNorm(96, eps=1e-6).to(dtype)
     norm.weight.data = torch.randn(96).to(dtype)
@@ -121,10 +122,10 @@ def test_the_plan_fills_the_multiprocessors() -> None:
     # of a 64-row tile's work each, against 140 64-row programs in 2 waves of 132.
     expect = [(2048, 1536, False, 32, 4), (1536, 1536, False, 32, 4), (1536, 8960, False, 32, 5), (8960, 1536, True, 16, 1)]
     for n, k, gated, block_n, split in expect:
-        assert plan(64, n, k, 132, gated) == {"block_n": block_n, "block_k": 128, "split": split, "num_warps": 4, "num_stages": 4, "pre": 1}
+        assert plan(64, n, k, 132, gated) == {"block_n": block_n, "block_k": 128, "split": split, "num_warps": 4, "num_stages": 4, "pre": 1, "peel": False}
     # q/k/v is not split (its sums go to the attention whole): 128 16-row programs
-    assert plan(64, 2048, 1536, 132, whole=True) == {"block_n": 16, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 4, "pre": 1}
-    assert plan(64, 48, 960, 132) == {"block_n": 16, "block_k": 64, "split": 5, "num_warps": 4, "num_stages": 4, "pre": 1}
+    assert plan(64, 2048, 1536, 132, whole=True) == {"block_n": 16, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 4, "pre": 1, "peel": False}
+    assert plan(64, 48, 960, 132) == {"block_n": 16, "block_k": 64, "split": 5, "num_warps": 4, "num_stages": 4, "pre": 1, "peel": False}
 
 
 def test_the_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,9 +133,9 @@ def test_the_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.Monk
     from bench import decode_kernels as dk
 
     scalars = {"M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_x": "i32", "stride_out": "i32"}
-    for split, gated, pdl, pre in ((1, False, False, 1), (4, False, True, 2), (1, True, True, 4)):
+    for split, gated, pdl, pre, peel in ((1, False, False, 1, False), (4, False, True, 2, True), (1, True, True, 4, True), (2, False, True, 1, False)):
         signature = {"w_ptr": "*bf16", "x_ptr": "*bf16", "out_ptr": "*fp32" if split > 1 else "*bf16", "bias_ptr": "*bf16", **scalars}
-        constants = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "BIAS": split == 1, "GATED": gated, "PDL": pdl, "PRE": pre}
+        constants = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "BIAS": split == 1, "GATED": gated, "PDL": pdl, "PRE": pre, "PEEL": peel}
         asm = compile_for_hopper(dk._product_kernel, signature, constants)
         assert "cubin" in asm and ("griddepcontrol.wait" in str(asm["ptx"])) == pdl
     signature = {"h_ptr": "*bf16", "parts_ptr": "*fp32", "bias_ptr": "*bf16", "w_ptr": "*bf16", "h_out_ptr": "*bf16", "x_out_ptr": "*bf16",

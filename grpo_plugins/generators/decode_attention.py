@@ -189,8 +189,8 @@ if triton is not None:
         sin = tl.load(sin_ptr + b * stride_sb + rd).to(tl.float32) * sign
         cur = tl.load(index_ptr)
         if PDL:  # launched early (programmatic dependent launch): q, k and v are the kernel before's
-            # output; the rotation, the index (written before the step's first launch of this
-            # kind) and the cache's other slots (earlier steps') are not.
+            # output; the rotation and the index were written before the step's first PDL launch,
+            # the cache's other slots by earlier steps.
             gdc_launch_dependents()
             gdc_wait()
         dtype = kc_ptr.dtype.element_ty

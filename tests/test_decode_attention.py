@@ -4,9 +4,6 @@ whole static decode with the kernel samples what the products sample."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,8 @@ from grpo_plugins.generators.static_decode import StaticDecoder
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
 from grpo_plugins.testing.tiny import tiny_model_spec
-from triton_compile import compile_for_hopper
+from triton_compile import compile_for_hopper, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_window_attention_is_grouped_query_attention_under_an_additive_mask() -> None:
@@ -61,12 +57,7 @@ def test_asking_for_the_kernel_where_it_cannot_run_names_the_setting(tmp_path: P
 
 
 def _interpret(script: str, *args: str) -> None:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(ROOT), *args], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(script, *args)
 
 
 KERNEL_CHECK = """

@@ -5,24 +5,18 @@ its launch plan keeps every SM of a large GPU busy."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_plugins.generators.fp8_products import fp8_kernel_unsupported, plan
+from triton_compile import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _interpret(script: str) -> None:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(script)
 
 
 KERNEL_CHECK = """
@@ -161,12 +155,7 @@ print("ok")
 
 
 def test_a_float8_decode_through_the_kernel_samples_what_scaled_mm_samples(tmp_path: Path) -> None:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", DECODE_CHECK, str(ROOT), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(DECODE_CHECK, str(tmp_path))
 
 
 def test_the_float8_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

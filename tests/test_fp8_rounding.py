@@ -4,18 +4,12 @@ on the CPU) builds the same bits as the torch operations."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 import torch
 
 from grpo_plugins.fp8_base import quantize_rows
 from grpo_plugins.fp8_rounding import merge_rows_reference, uniform_noise
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_noise_is_uniform_reproducible_and_differs_by_seed() -> None:
@@ -81,7 +75,6 @@ print("ok")
 
 
 def test_the_kernel_builds_the_same_bits_as_the_torch_operations() -> None:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    from triton_compile import run_interpreted
+
+    run_interpreted(KERNEL_CHECK)

@@ -4,8 +4,6 @@ layer (same tokens, same log-probs), the launch plan, and compilation for an sm_
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,15 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # the offline sm_90 compiler helper the core's tests use
-from triton_compile import compile_for_hopper  # noqa: E402
+from triton_compile import compile_for_hopper, run_interpreted  # noqa: E402
 
 
 def _interpret(script: str, *args: str) -> str:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script, str(ROOT), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_interpreted(script, *args)
 
 
 KERNELS = """

@@ -4,14 +4,13 @@ and with K split over programs whose float32 parts a second kernel adds; its dec
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the core's helper for Triton's interpreter
+from triton_compile import run_interpreted  # noqa: E402
 
 SCRIPT = """
 import sys
@@ -40,10 +39,7 @@ print("ok")
 
 
 def test_the_chain_products_compute_x_times_w_transposed() -> None:
-    pytest.importorskip("triton", reason="Triton is part of the dev extra on Linux")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+    run_interpreted(SCRIPT)
 
 
 def test_the_swapped_decode_layer_samples_what_the_decode_layer_samples(tmp_path: Path) -> None:

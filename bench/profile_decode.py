@@ -28,7 +28,11 @@ programmatic dependent launch (the products, the attention, inductor's own kerne
 programmatic dependent launch (each product's K loop whole, the wait before it);
 ``kernels-peel`` / ``-pre2`` / ``-pre4``: each product loading its first 1 / 2 / 4 blocks of
 weights outside the loop, before it waits for the kernel before (as measured at 43d9c22); ``kernels-wide`` / ``kernels-wide-nopdl``: the
-products under the float8 kernel's launch plan (64- and 128-row tiles) instead.
+products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
+``persistent``: each layer one persistent kernel of ``bench/persistent_layer.py`` (a program per
+multiprocessor, grid barriers between the phases), ``persistent-pf`` the same asking L2 for the
+first KiB of each weight row of the next phase before each barrier, ``persistent-phases`` its
+phases as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -72,6 +76,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kernels-wide": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": True, "plan": "wide"},
     "kernels-wide-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False, "plan": "wide"},
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
+    "persistent": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False},
+    "persistent-pf": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "prefetch": 1024},
+    "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
 
@@ -90,6 +97,19 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         from bench.pdl_chain import make_decode_layer
 
         layer_fn = make_decode_layer(variant["pdl"])
+    if variant.get("persistent"):  # each layer one persistent kernel (or its phases as 7 launches); the head compiled
+        from bench import persistent_layer
+        from bench.decode_kernels import kernel_decode_head
+        from bench.persistent_layer import persistent_decode_layer
+
+        persistent_layer.PREFETCH = variant.get("prefetch", 0)
+
+        head = functools.partial(kernel_decode_head, pdl=False)
+        head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head
+        dec._compiled_step = functools.partial(
+            decode_step, layer_fn=functools.partial(persistent_decode_layer, phases=variant["phases"]), head_fn=head
+        )
+        return dec
     if variant.get("kernels"):  # the layers as Triton kernels, not compiled; the head compiled
         from bench import decode_kernels
         from bench.decode_kernels import kernel_decode_head, kernel_decode_layer

@@ -169,38 +169,31 @@ def check_kernel(device: torch.device, head_dim: int, groups: int, dtype: torch.
 if triton is not None:
 
     @triton.jit
-    def _rope_window_attention_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
+    def rope_window_attend(
+        b, h, split, pid, cos, sin, cur,
+        q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
         W, per_split, splits, scale,
-        stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
+        stride_qb, stride_kb, stride_vb,
         stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-        PARTIAL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+        PARTIAL: tl.constexpr, EARLY: tl.constexpr, QKV_LOADS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HKV
-        h = pid % HKV
+        """The attention of row ``b``'s key/value head ``h`` over part ``split`` of the window
+        (``pid``: the (row, head) pair's index), given the new token's rotation (``cos``, ``sin``,
+        sign folded in) and slot ``cur``. QKV_LOADS: the cache modifier of the q, k and v loads,
+        "" where the kernel before wrote them, ".cg" where other programs of the same launch did
+        (a persistent kernel's: the loads bypass the multiprocessor's L1 cache)."""
         rg = tl.arange(0, GP)
         rd = tl.arange(0, D)
         turn = (rd + D // 2) % D  # rotate_half: x[d + D/2] (negated) in the first half, x[d - D/2] in the second
-        sign = tl.where(rd < D // 2, -1.0, 1.0)
-        cos = tl.load(cos_ptr + b * stride_cb + rd).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_sb + rd).to(tl.float32) * sign
-        cur = tl.load(index_ptr)
-        if PDL:  # launched early (programmatic dependent launch): q, k and v are the kernel before's
-            # output; the rotation and the index were written before the step's first PDL launch,
-            # the cache's other slots by earlier steps.
-            gdc_launch_dependents()
-            gdc_wait()
         dtype = kc_ptr.dtype.element_ty
         heads = q_ptr + b * stride_qb + (h * G + rg)[:, None] * D
         live = rg[:, None] < G
-        q = tl.load(heads + rd[None, :], mask=live, other=0.0).to(tl.float32)
-        q = (q * cos[None, :] + tl.load(heads + turn[None, :], mask=live, other=0.0).to(tl.float32) * sin[None, :]).to(dtype)  # (GP, D)
+        q = tl.load(heads + rd[None, :], mask=live, other=0.0, cache_modifier=QKV_LOADS).to(tl.float32)
+        q = (q * cos[None, :] + tl.load(heads + turn[None, :], mask=live, other=0.0, cache_modifier=QKV_LOADS).to(tl.float32) * sin[None, :]).to(dtype)  # (GP, D)
         key = k_ptr + b * stride_kb + h * D
-        k_new = (tl.load(key + rd).to(tl.float32) * cos + tl.load(key + turn).to(tl.float32) * sin).to(dtype)  # (D,)
-        v_new = tl.load(v_ptr + b * stride_vb + h * D + rd).to(dtype)
+        k_new = (tl.load(key + rd, cache_modifier=QKV_LOADS).to(tl.float32) * cos + tl.load(key + turn, cache_modifier=QKV_LOADS).to(tl.float32) * sin).to(dtype)  # (D,)
+        v_new = tl.load(v_ptr + b * stride_vb + h * D + rd, cache_modifier=QKV_LOADS).to(dtype)
         k_base = kc_ptr + b * stride_kcb + h * stride_kch
         v_base = vc_ptr + b * stride_vcb + h * stride_vch
         if split == 0:  # one program per (row, head) writes; no program reads the slot back
@@ -240,6 +233,39 @@ if triton is not None:
             tl.store(part_ptr + row[:, None] * D + rd[None, :], acc, mask=live)
             tl.store(stat_ptr + 2 * row, m, mask=rg < G)
             tl.store(stat_ptr + 2 * row + 1, total, mask=rg < G)
+
+    @triton.jit
+    def rotation(cos_ptr, sin_ptr, b, stride_cb, stride_sb, D: tl.constexpr):
+        """Row ``b``'s RoPE cos and sin (the sin with rotate_half's sign folded in), float32 (D,)."""
+        rd = tl.arange(0, D)
+        sign = tl.where(rd < D // 2, -1.0, 1.0)
+        return tl.load(cos_ptr + b * stride_cb + rd).to(tl.float32), tl.load(sin_ptr + b * stride_sb + rd).to(tl.float32) * sign
+
+    @triton.jit
+    def _rope_window_attention_kernel(
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
+        W, per_split, splits, scale,
+        stride_qb, stride_kb, stride_vb, stride_cb, stride_sb,
+        stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
+        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+        PARTIAL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HKV
+        cos, sin = rotation(cos_ptr, sin_ptr, b, stride_cb, stride_sb, D)
+        cur = tl.load(index_ptr)
+        if PDL:  # launched early (programmatic dependent launch): q, k and v are the kernel before's
+            # output; the rotation and the index were written before the step's first PDL launch,
+            # the cache's other slots by earlier steps.
+            gdc_launch_dependents()
+            gdc_wait()
+        rope_window_attend(
+            b, pid % HKV, split, pid, cos, sin, cur, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bias_ptr, o_ptr, part_ptr, stat_ptr,
+            W, per_split, splits, scale, stride_qb, stride_kb, stride_vb,
+            stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
+            HKV, G, GP, D, BLOCK, PARTIAL, EARLY, "",
+        )
 
     @triton.jit
     def _combine_kernel(o_ptr, part_ptr, stat_ptr, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):

@@ -1,0 +1,84 @@
+"""bench/persistent_layer.py, a decode layer as one persistent Triton kernel: its phases sample
+what the decode layer samples (Triton's interpreter, which runs programs one after another, so
+the phases run as separate launches there), the item plans, and compilation for an sm_90 GPU
+with the grid barriers and the L2 prefetches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from triton_compile import compile_for_hopper, run_interpreted  # noqa: E402
+
+DECODE = """
+import sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from grpo_plugins.models import load_model
+from grpo_plugins.testing.tiny import tiny_model_spec
+from bench import persistent_layer
+import bench.profile_decode as profile
+
+persistent_layer.PROGRAMS = 3  # fewer programs than items: every program takes several
+spec = tiny_model_spec(Path(tempfile.mkdtemp()) / sys.argv[2], sys.argv[2], hidden_size=64, intermediate_size=128)
+model, _ = load_model(spec, dtype="float32", seed=0)
+with torch.no_grad():  # biases and norm weights start at 0 and 1, where dropping one would not show
+    for name, p in model.named_parameters():
+        if "bias" in name or "norm" in name:
+            p.add_(torch.randn_like(p) * 0.3)
+results = []
+for variant in ({"merge_weights": True}, {"merge_weights": True, "persistent": True, "phases": True}):
+    dec = profile._decoder(model, 6, variant)
+    torch.manual_seed(4)
+    results.append(dec.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]]))
+assert torch.equal(results[1][0], results[0][0]), (results[0][0], results[1][0])
+torch.testing.assert_close(results[1][3], results[0][3], rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # q/k/v with and without a bias
+def test_the_phases_sample_what_the_decode_layer_samples(arch: str) -> None:
+    run_interpreted(DECODE, arch)
+
+
+@pytest.mark.parametrize("shape", [(896, 896, 1152, 4864), (1536, 1536, 2048, 8960)])  # Qwen2.5 0.5B, 1.5B
+def test_every_phase_has_at_most_one_item_per_program_and_covers_its_weight(shape: tuple[int, int, int, int]) -> None:
+    from bench.persistent_layer import layer_plan
+
+    H, QD, NQKV, I = shape
+    plan = layer_plan(64, H, QD, NQKV, I, 132)
+    for name, (N, K) in {"qkv": (NQKV, H), "o": (H, QD), "gate_up": (I, H), "down": (H, I)}.items():
+        items = plan[name]
+        assert items["groups"] * items["splits"] <= 132, name
+        assert items["rows"] <= items["block_n"] <= 128, name
+        covered = set()
+        for g in range(items["groups"]):
+            covered.update(range(g * items["rows"], min(N, (g + 1) * items["rows"])))
+        assert covered == set(range(N)), name
+        if items["splits"] > 1:  # the parts of K are whole blocks and cover K
+            assert items["k_per_split"] % 64 == 0 and (items["splits"] - 1) * items["k_per_split"] < K <= items["splits"] * items["k_per_split"]
+    if H == 1536:  # gate/up: 132 equal ranges of 68 rows (in 128-row tiles) where 64-row tiles would be 140 items
+        assert (plan["gate_up"]["rows"], plan["gate_up"]["groups"]) == (68, 132)
+
+
+def test_the_kernel_compiles_for_hopper_with_its_barriers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from bench import persistent_layer as pl
+
+    pointers = {name: "*bf16" for name in pl._layer_kernel.arg_names if name.endswith("_ptr")}
+    pointers.update(pending_ptr="*fp32", o_parts_ptr="*fp32", down_parts_ptr="*fp32", index_ptr="*i64", bias_ptr="*fp32", sync_ptr="*i32")
+    signature = {name: pointers.get(name, "fp32" if name in ("eps1", "eps2", "scale") else "i32") for name in pl._layer_kernel.arg_names}
+    for only, prefetch in ((-1, 0), (-1, 1024), (5, 0)):
+        constants = dict(NPROG=132, ONLY=only, BLOCK_M=64, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=128, BN_D=128, BLOCK_K=64,
+                         HKV=2, G=6, GP=16, D=128, BLOCK_W=64, QKV_BIAS=True, GU_BIAS=False, PREFETCH=prefetch)
+        ptx = str(compile_for_hopper(pl._layer_kernel, signature, constants)["ptx"])
+        # six barriers: one arrival each (acquire-release), the last arrival's reset, the spin's acquire loads
+        assert ptx.count("atom.global.gpu.acq_rel.add") == (6 if only < 0 else 0)
+        assert ptx.count("ld.global.gpu.acquire") == (6 if only < 0 else 0)
+        assert ("cp.async.bulk.prefetch.L2" in ptx) == (prefetch > 0)

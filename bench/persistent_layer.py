@@ -59,16 +59,14 @@ if triton is not None:
     @triton.jit
     def _grid_sync(sync_ptr, NPROG: tl.constexpr):
         """Every program arrives, then waits for all NPROG; what each stored before arriving is
-        visible to all after. ``sync_ptr``: (arrivals this round, rounds completed), int32 zeros
-        at first; a round leaves the arrivals at 0, so consecutive launches share the counters."""
+        visible to all after. ``sync_ptr``: an int64 count of arrivals, zero at first and never
+        reset (consecutive launches go on counting): a round is complete at the next multiple of
+        NPROG. One atomic per program and round, then loads until the round is complete."""
         tl.debug_barrier()  # this program's threads have all stored
-        generation = tl.atomic_add(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
         arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == NPROG - 1:  # the last to arrive opens the barrier for the round
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-        else:
-            while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == generation:
+        target = (arrived // NPROG + 1) * NPROG
+        if arrived != target - 1:  # the last to arrive has seen everyone's arrival already
+            while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < target:
                 pass
         tl.debug_barrier()
 
@@ -301,7 +299,7 @@ _SYNC: dict[torch.device, torch.Tensor] = {}
 
 def _sync_counters(device: torch.device) -> torch.Tensor:
     if device not in _SYNC:
-        _SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        _SYNC[device] = torch.zeros(1, dtype=torch.int64, device=device)
     return _SYNC[device]
 
 

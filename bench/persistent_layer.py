@@ -95,17 +95,18 @@ if triton is not None:
 
     @triton.jit
     def _norm_rows(
-        pid, h_ptr, parts_ptr, w_ptr, h_out_ptr, x_out_ptr, M, N, eps, splits, stride_h, stride_parts, stride_part_row,
-        NPROG: tl.constexpr, BLOCK: tl.constexpr,
+        pid, h_ptr, parts_ptr, w_ptr, h_out_ptr, x_out_ptr, M, N, eps, stride_h, stride_parts, stride_part_row,
+        NPROG: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
     ):
-        """Rows m = pid, pid + NPROG, ...: h' = h + round(sum of the parts), rounded; x = RMSNorm(h') * w."""
+        """Rows m = pid, pid + NPROG, ...: h' = h + round(sum of the SPLITS parts), rounded; x =
+        RMSNorm(h') * w. (SPLITS is a constant so that the parts' loads are all issued at once.)"""
         rn = tl.arange(0, BLOCK)
         inside = rn < N
         weight = tl.load(w_ptr + rn, mask=inside, other=0.0).to(tl.float32)
         dtype = h_out_ptr.dtype.element_ty
         for m in range(pid, M, NPROG):
             total = tl.zeros((BLOCK,), tl.float32)
-            for s in range(splits):
+            for s in tl.static_range(SPLITS):
                 total += tl.load(parts_ptr + s * stride_parts + m * stride_part_row + rn, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
             h = tl.load(h_ptr + m * stride_h + rn, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
             h = (h + total.to(dtype).to(tl.float32)).to(dtype)
@@ -162,7 +163,7 @@ if triton is not None:
 
     @triton.jit
     def _layer_kernel(
-        h_ptr, pending_ptr, pending_splits, stride_h, stride_pending, stride_pending_row,
+        h_ptr, pending_ptr, stride_h, stride_pending, stride_pending_row,
         norm1_ptr, norm2_ptr, eps1, eps2,
         h2_ptr, x_ptr, qkv_ptr, o_ptr, o_parts_ptr, h3_ptr, x2_ptr, act_ptr, down_parts_ptr,
         wqkv_ptr, bqkv_ptr, wo_ptr, wgu_ptr, bgu_ptr, wd_ptr,
@@ -170,21 +171,21 @@ if triton is not None:
         stride_cb, stride_sb, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         M, H, NQKV, I,
         qkv_rows, qkv_groups, qkv_items,
-        o_rows, o_kps, o_groups, o_items, o_splits,
+        o_rows, o_kps, o_groups, o_items,
         gu_rows, gu_groups, gu_items,
         d_rows, d_kps, d_groups, d_items,
         sync_ptr,
         NPROG: tl.constexpr, ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BLOCK_K: tl.constexpr,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
-        QKV_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+        QKV_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, PREFETCH: tl.constexpr, PENDING_SPLITS: tl.constexpr, O_SPLITS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if PREFETCH > 0 and ONLY < 0:
             _prefetch_item(pid, wqkv_ptr, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, False, BN_QKV, PREFETCH)
         if ONLY < 0 or ONLY == 0:
-            _norm_rows(pid, h_ptr, pending_ptr, norm1_ptr, h2_ptr, x_ptr, M, H, eps1, pending_splits, stride_h,
-                       stride_pending, stride_pending_row, NPROG, BLOCK_H)
+            _norm_rows(pid, h_ptr, pending_ptr, norm1_ptr, h2_ptr, x_ptr, M, H, eps1, stride_h,
+                       stride_pending, stride_pending_row, NPROG, BLOCK_H, PENDING_SPLITS)
         if ONLY < 0:
             _grid_sync(sync_ptr, NPROG)
         if ONLY < 0 or ONLY == 1:
@@ -222,7 +223,7 @@ if triton is not None:
         if ONLY < 0:
             _grid_sync(sync_ptr, NPROG)
         if ONLY < 0 or ONLY == 4:
-            _norm_rows(pid, h2_ptr, o_parts_ptr, norm2_ptr, h3_ptr, x2_ptr, M, H, eps2, o_splits, H, M * H, H, NPROG, BLOCK_H)
+            _norm_rows(pid, h2_ptr, o_parts_ptr, norm2_ptr, h3_ptr, x2_ptr, M, H, eps2, H, M * H, H, NPROG, BLOCK_H, O_SPLITS)
         if ONLY < 0:
             _grid_sync(sync_ptr, NPROG)
         if ONLY < 0 or ONLY == 5:
@@ -336,7 +337,7 @@ def persistent_decode_layer(
     qkv_b, gu_b = attn.qkv_proj.bias, mlp.gate_up_proj.bias
     p_qkv, p_o, p_gu, p_d = plan["qkv"], plan["o"], plan["gate_up"], plan["down"]
     args = (
-        h2d, pend, pend.shape[0], h2d.stride(0), pend.stride(0), pend.stride(1),
+        h2d, pend, h2d.stride(0), pend.stride(0), pend.stride(1),
         norm1.weight, norm2.weight, _eps(norm1), _eps(norm2),
         h2, x, qkv, o, o_parts, h3, x2, act, down_parts,
         attn.qkv_proj.weight, attn.qkv_proj.weight if qkv_b is None else qkv_b, attn.o_proj.weight,
@@ -346,7 +347,7 @@ def persistent_decode_layer(
         v_all.stride(0), v_all.stride(1), v_all.stride(2), attn_bias.stride(0),
         B, H, NQKV, I,
         p_qkv["rows"], p_qkv["groups"], p_qkv["groups"],
-        p_o["rows"], p_o["k_per_split"], p_o["groups"], p_o["groups"] * p_o["splits"], p_o["splits"],
+        p_o["rows"], p_o["k_per_split"], p_o["groups"], p_o["groups"] * p_o["splits"],
         p_gu["rows"], p_gu["groups"], p_gu["groups"],
         p_d["rows"], p_d["k_per_split"], p_d["groups"], p_d["groups"] * p_d["splits"],
         _sync_counters(dev),
@@ -357,6 +358,7 @@ def persistent_decode_layer(
         BN_QKV=p_qkv["block_n"], BN_O=p_o["block_n"], BN_GU=p_gu["block_n"], BN_D=p_d["block_n"], BLOCK_K=BLOCK_K,
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_W=BLOCK_W,
         QKV_BIAS=qkv_b is not None, GU_BIAS=gu_b is not None, PREFETCH=0 if phases else PREFETCH,
+        PENDING_SPLITS=pend.shape[0], O_SPLITS=p_o["splits"],
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     for only in range(7) if phases else (-1,):

@@ -31,7 +31,8 @@ weights outside the loop, before it waits for the kernel before (as measured at 
 products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
 ``persistent``: each layer one persistent kernel of ``bench/persistent_layer.py`` (a program per
 multiprocessor, grid barriers between the phases), ``persistent-pf`` the same asking L2 for the
-first KiB of each weight row of the next phase before each barrier, ``persistent-phases`` its
+first KiB of each weight row of the next phase before each barrier, ``persistent-w4`` with 4
+warps per program instead of 8, ``persistent-phases`` its
 phases as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
@@ -78,6 +79,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
     "persistent": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False},
     "persistent-pf": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "prefetch": 1024},
+    "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
@@ -103,6 +105,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         from bench.persistent_layer import persistent_decode_layer
 
         persistent_layer.PREFETCH = variant.get("prefetch", 0)
+        persistent_layer.NUM_WARPS = variant.get("warps", 8)
 
         head = functools.partial(kernel_decode_head, pdl=False)
         head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head

@@ -15,7 +15,10 @@
 # on PYTHONPATH; both are reused when a run before left them there.
 #
 # UFI_EXTRA adds arguments to every run (e.g. "--load-in-fp8": Unsloth's float8 path, which also needs
-# torchao >= 0.15 among the .uwhl wheels) and UFI_TAG a suffix to its file names (e.g. "_fp8").
+# torchao >= 0.15 among the .uwhl wheels, and compressed-tensors with loguru: vLLM 0.26's quantisation
+# lookup imports it, and the slim vLLM archive leaves it out) and UFI_TAG a suffix to its file names (e.g.
+# "_fp8"). UFI_SAVE_THREADS: CPU threads for saving the random 7B model (default 4, beside a 0.5B
+# run; with 4 it took 302 s on an H100 machine's 16 cores).
 #
 # Each run has a timeout; the whole script ends by DEADLINE seconds (default 550, under a 600 s
 # call). A run that was stopped or failed still writes its JSON with the stage it reached and the
@@ -77,7 +80,7 @@ SAVER=""
 case " $RUNS " in *" 7b "*)
   if [ ! -f "$MODELS/qwen2.5-7b/config.json" ]; then
     say "saving the random 7B model to $MODELS/qwen2.5-7b on the CPU, in the background"
-    (OMP_NUM_THREADS=4 nice -n 19 "$PY" - "$MODELS/qwen2.5-7b" >> "$LOG" 2>&1 <<'EOF'
+    (OMP_NUM_THREADS=${UFI_SAVE_THREADS:-4} nice -n 19 "$PY" - "$MODELS/qwen2.5-7b" >> "$LOG" 2>&1 <<'EOF'
 import sys, time, torch
 import bench._common as c
 c.ACTIVE_SHAPE = "qwen2.5-7b"

@@ -49,6 +49,10 @@ NUM_STAGES = 4
 PROGRAMS: int | None = None
 #: Largest weight tile (rows): its accumulator (two for gate/up) lives in registers.
 MAX_TILE = 128
+#: Record each program's time at the start, at every barrier (arriving, leaving) and at the end
+#: of every layer's kernel (:func:`phase_times` reads the last step's).
+TIMES = False
+STAMPS = 16
 #: Bytes of each weight row (and of the attention's keys and values) that a program asks L2 to
 #: fetch for its first item of the next phase before it waits at a barrier (0: none).
 PREFETCH = 0
@@ -69,6 +73,23 @@ if triton is not None:
             while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < target:
                 pass
         tl.debug_barrier()
+
+    @triton.jit
+    def _stamp(times_ptr, pid, k: tl.constexpr):
+        """Program ``pid``'s stamp ``k``: the GPU's global nanosecond timer."""
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(times_ptr + pid * 16 + k, now)  # STAMPS per program
+
+    @triton.jit
+    def _barrier(sync_ptr, times_ptr, pid, k: tl.constexpr, NPROG: tl.constexpr, ONLY: tl.constexpr, TIMES: tl.constexpr):
+        """Barrier k (0-5) between the phases (none where one phase runs alone); TIMES: stamps
+        2k + 1 on arriving and 2k + 2 on leaving."""
+        if ONLY < 0:
+            if TIMES:
+                _stamp(times_ptr, pid, 2 * k + 1)
+            _grid_sync(sync_ptr, NPROG)
+            if TIMES:
+                _stamp(times_ptr, pid, 2 * k + 2)
 
     @triton.jit
     def _prefetch(ptrs, nbytes):
@@ -174,20 +195,21 @@ if triton is not None:
         o_rows, o_kps, o_groups, o_items,
         gu_rows, gu_groups, gu_items,
         d_rows, d_kps, d_groups, d_items,
-        sync_ptr,
-        NPROG: tl.constexpr, ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+        sync_ptr, times_ptr,
+        NPROG: tl.constexpr, ONLY: tl.constexpr, TIMES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BLOCK_K: tl.constexpr,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
         QKV_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, PREFETCH: tl.constexpr, PENDING_SPLITS: tl.constexpr, O_SPLITS: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        if TIMES:
+            _stamp(times_ptr, pid, 0)
         if PREFETCH > 0 and ONLY < 0:
             _prefetch_item(pid, wqkv_ptr, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, False, BN_QKV, PREFETCH)
         if ONLY < 0 or ONLY == 0:
             _norm_rows(pid, h_ptr, pending_ptr, norm1_ptr, h2_ptr, x_ptr, M, H, eps1, stride_h,
                        stride_pending, stride_pending_row, NPROG, BLOCK_H, PENDING_SPLITS)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 0, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 1:
             _products(pid, wqkv_ptr, x_ptr, qkv_ptr, bqkv_ptr, M, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, H, NQKV,
                       NPROG, BLOCK_M, BN_QKV, BLOCK_K, False, QKV_BIAS, False)
@@ -197,8 +219,7 @@ if triton is not None:
                 nbytes = tl.zeros((1,), tl.int32) + tl.minimum(PREFETCH * 8, W * D * 2)
                 _prefetch(kc_ptr + kv, nbytes)
                 _prefetch(vc_ptr + kv, nbytes)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 1, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 2:
             cur = tl.load(index_ptr)
             for item in range(pid, M * HKV, NPROG):
@@ -213,29 +234,27 @@ if triton is not None:
                 )
         if PREFETCH > 0 and ONLY < 0:
             _prefetch_item(pid, wo_ptr, H, HKV * G * D, o_rows, o_kps, o_groups, o_items, False, BN_O, PREFETCH)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 2, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 3:
             _products(pid, wo_ptr, o_ptr, o_parts_ptr, wo_ptr, M, H, HKV * G * D, o_rows, o_kps, o_groups, o_items, HKV * G * D, H,
                       NPROG, BLOCK_M, BN_O, BLOCK_K, True, False, False)
         if PREFETCH > 0 and ONLY < 0:
             _prefetch_item(pid, wgu_ptr, I, H, gu_rows, H, gu_groups, gu_items, True, BN_GU, PREFETCH)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 3, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 4:
             _norm_rows(pid, h2_ptr, o_parts_ptr, norm2_ptr, h3_ptr, x2_ptr, M, H, eps2, H, M * H, H, NPROG, BLOCK_H, O_SPLITS)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 4, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 5:
             _products(pid, wgu_ptr, x2_ptr, act_ptr, bgu_ptr, M, I, H, gu_rows, H, gu_groups, gu_items, H, I,
                       NPROG, BLOCK_M, BN_GU, BLOCK_K, False, GU_BIAS, True)
         if PREFETCH > 0 and ONLY < 0:
             _prefetch_item(pid, wd_ptr, H, I, d_rows, d_kps, d_groups, d_items, False, BN_D, PREFETCH)
-        if ONLY < 0:
-            _grid_sync(sync_ptr, NPROG)
+        _barrier(sync_ptr, times_ptr, pid, 5, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 6:
             _products(pid, wd_ptr, act_ptr, down_parts_ptr, wd_ptr, M, H, I, d_rows, d_kps, d_groups, d_items, I, H,
                       NPROG, BLOCK_M, BN_D, BLOCK_K, True, False, False)
+        if TIMES:
+            _stamp(times_ptr, pid, 13)
 
 
 def _tile(rows: int) -> int:
@@ -296,6 +315,39 @@ def _programs(device: torch.device) -> int:
 
 
 _SYNC: dict[torch.device, torch.Tensor] = {}
+_TIMES: dict[torch.device, torch.Tensor] = {}
+_LAYER_SLOTS: dict[int, int] = {}
+PHASES = ("norm1", "qkv", "attention", "o", "norm2", "gate_up", "down")
+
+
+def _times_buffer(device: torch.device, layer: Any, programs: int) -> torch.Tensor:
+    """The stamps of ``layer``'s kernel: a row of a (layers, programs, STAMPS) buffer."""
+    slot = _LAYER_SLOTS.setdefault(id(layer), len(_LAYER_SLOTS))
+    if device not in _TIMES or _TIMES[device].shape[0] <= slot:
+        old = _TIMES.get(device)
+        _TIMES[device] = torch.zeros(max(64, 2 * slot + 2), programs, STAMPS, dtype=torch.int64, device=device)
+        if old is not None:
+            _TIMES[device][: old.shape[0]] = old
+    return _TIMES[device][slot]
+
+
+def phase_times() -> dict[str, dict[str, float]]:
+    """From the last recorded step, averaged over the layers, in microseconds: each phase's
+    ``work`` (the median program's time from leaving the barrier before to arriving at the one
+    after) and ``span`` (first program in to last program out of it, so work + imbalance), and
+    each barrier's ``release`` (last arrival to last departure)."""
+    if not _TIMES:
+        return {}
+    t = next(iter(_TIMES.values()))[: len(_LAYER_SLOTS)].double() / 1000.0  # (layers, programs, stamps) us
+    out: dict[str, dict[str, float]] = {}
+    for p, name in enumerate(PHASES):
+        start, end = t[:, :, 2 * p], t[:, :, 2 * p + 1] if p < 6 else t[:, :, 13]
+        row = {"work": float((end - start).median(dim=1).values.mean()), "span": float((end.max(1).values - start.min(1).values).mean())}
+        if p < 6:
+            row["release"] = float((t[:, :, 2 * p + 2].max(1).values - end.max(1).values).mean())
+        out[name] = row
+    out["layer"] = {"span": float((t[:, :, 13].max(1).values - t[:, :, 0].min(1).values).mean())}
+    return out
 
 
 def _sync_counters(device: torch.device) -> torch.Tensor:
@@ -350,11 +402,11 @@ def persistent_decode_layer(
         p_o["rows"], p_o["k_per_split"], p_o["groups"], p_o["groups"] * p_o["splits"],
         p_gu["rows"], p_gu["groups"], p_gu["groups"],
         p_d["rows"], p_d["k_per_split"], p_d["groups"], p_d["groups"] * p_d["splits"],
-        _sync_counters(dev),
+        _sync_counters(dev), _times_buffer(dev, layer, programs) if TIMES else _sync_counters(dev),
     )
     G = Hq // Hkv
     constants = dict(
-        NPROG=programs, BLOCK_M=max(16, triton.next_power_of_2(B)), BLOCK_H=triton.next_power_of_2(H),
+        NPROG=programs, TIMES=TIMES and not phases, BLOCK_M=max(16, triton.next_power_of_2(B)), BLOCK_H=triton.next_power_of_2(H),
         BN_QKV=p_qkv["block_n"], BN_O=p_o["block_n"], BN_GU=p_gu["block_n"], BN_D=p_d["block_n"], BLOCK_K=BLOCK_K,
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_W=BLOCK_W,
         QKV_BIAS=qkv_b is not None, GU_BIAS=gu_b is not None, PREFETCH=0 if phases else PREFETCH,

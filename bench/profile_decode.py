@@ -32,7 +32,8 @@ products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
 ``persistent``: each layer one persistent kernel of ``bench/persistent_layer.py`` (a program per
 multiprocessor, grid barriers between the phases), ``persistent-pf`` the same asking L2 for the
 first KiB of each weight row of the next phase before each barrier, ``persistent-w4`` with 4
-warps per program instead of 8, ``persistent-phases`` its
+warps per program instead of 8, ``persistent-times`` stamps the phases' times (printed: each
+phase's work and span, each barrier's release), ``persistent-phases`` its
 phases as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
@@ -80,6 +81,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "persistent": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False},
     "persistent-pf": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "prefetch": 1024},
     "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
+    "persistent-times": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "times": True},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
@@ -106,6 +108,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
         persistent_layer.PREFETCH = variant.get("prefetch", 0)
         persistent_layer.NUM_WARPS = variant.get("warps", 8)
+        persistent_layer.TIMES = variant.get("times", False)
 
         head = functools.partial(kernel_decode_head, pdl=False)
         head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head
@@ -303,6 +306,13 @@ def main() -> None:
                 print(f"  {part}: {table['kernels_per_step']:.0f} kernels/step, {table['device_us_per_step']:.0f} us/step")
                 for row in table["top"][:12]:
                     print(f"    {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['name']}")
+        if VARIANTS.get(name, {}).get("times"):
+            from bench.persistent_layer import phase_times
+
+            results[name]["phase_times_us"] = phase_times()
+            write_json(path, results)
+            for phase, row in results[name]["phase_times_us"].items():
+                print(f"    {phase:<10} " + "  ".join(f"{k} {v:6.2f} us" for k, v in row.items()), flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 

@@ -72,14 +72,15 @@ def test_the_kernel_compiles_for_hopper_with_its_barriers(tmp_path: Path, monkey
     from bench import persistent_layer as pl
 
     pointers = {name: "*bf16" for name in pl._layer_kernel.arg_names if name.endswith("_ptr")}
-    pointers.update(pending_ptr="*fp32", o_parts_ptr="*fp32", down_parts_ptr="*fp32", index_ptr="*i64", bias_ptr="*fp32", sync_ptr="*i64")
+    pointers.update(pending_ptr="*fp32", o_parts_ptr="*fp32", down_parts_ptr="*fp32", index_ptr="*i64", bias_ptr="*fp32", sync_ptr="*i64", times_ptr="*i64")
     signature = {name: pointers.get(name, "fp32" if name in ("eps1", "eps2", "scale") else "i32") for name in pl._layer_kernel.arg_names}
-    for only, prefetch in ((-1, 0), (-1, 1024), (5, 0)):
+    for only, prefetch, times in ((-1, 0, False), (-1, 1024, True), (5, 0, False)):
         constants = dict(NPROG=132, ONLY=only, BLOCK_M=64, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=128, BN_D=128, BLOCK_K=64,
                          HKV=2, G=6, GP=16, D=128, BLOCK_W=64, QKV_BIAS=True, GU_BIAS=False, PREFETCH=prefetch,
-                         PENDING_SPLITS=10, O_SPLITS=4)
+                         PENDING_SPLITS=10, O_SPLITS=4, TIMES=times)
         ptx = str(compile_for_hopper(pl._layer_kernel, signature, constants)["ptx"])
         # six barriers: one arrival each (acquire-release), the spin's acquire loads
         assert ptx.count("atom.global.gpu.acq_rel.add") == (6 if only < 0 else 0)
         assert ptx.count("ld.global.gpu.acquire") == (6 if only < 0 else 0)
         assert ("cp.async.bulk.prefetch.L2" in ptx) == (prefetch > 0)
+        assert ("%globaltimer" in ptx) == times

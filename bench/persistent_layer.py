@@ -53,8 +53,9 @@ MAX_TILE = 128
 #: of every layer's kernel (:func:`phase_times` reads the last step's).
 TIMES = False
 STAMPS = 16
-#: Bytes of each weight row (and of the attention's keys and values) that a program asks L2 to
-#: fetch for its first item of the next phase before it waits at a barrier (0: none).
+#: Bytes of each weight row (and 8x as many of the attention's keys and values) that a program
+#: asks L2 to fetch for its first item of the next phase before it waits at a barrier (0: none;
+#: a power of two of at least 16 x the program's threads / its smallest tile's rows).
 PREFETCH = 0
 
 if triton is not None:
@@ -101,15 +102,24 @@ if triton is not None:
         )
 
     @triton.jit
-    def _prefetch_item(pid, w_ptr, N, K, rows, k_per_split, groups, items, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BYTES: tl.constexpr):
-        """The first BYTES (at most to the row's end) of each weight row of this program's first
-        item (see :func:`_products`)."""
+    def _prefetch_item(
+        pid, w_ptr, N, K, rows, k_per_split, groups, items,
+        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BYTES: tl.constexpr, LANES: tl.constexpr,
+    ):
+        """The first BYTES (at most to the part's end) of each weight row of this program's first
+        item (see :func:`_products`), asked for by its LANES threads in as many separate pieces:
+        thread e takes row e % BLOCK_N's piece e // BLOCK_N (a tensor smaller than the program's
+        threads would repeat each request on several threads)."""
         if pid < items:
-            rb = tl.arange(0, BLOCK_N)
-            rn = tl.minimum((pid % groups) * rows + rb, N - 1)
+            PIECE: tl.constexpr = BYTES * BLOCK_N // LANES
+            e = tl.arange(0, LANES)
+            rn = tl.minimum((pid % groups) * rows + tl.minimum(e % BLOCK_N, rows - 1), N - 1)
             k0 = (pid // groups) * k_per_split
-            ptrs = w_ptr + rn.to(tl.int64) * K + k0
-            nbytes = tl.zeros((BLOCK_N,), tl.int32) + tl.minimum(BYTES, (K - k0) * 2)
+            base = w_ptr + rn.to(tl.int64) * K + k0
+            offset = (e // BLOCK_N) * PIECE  # bytes into the part
+            left = (K - k0) * 2 - offset
+            ptrs = tl.where(left > 0, base + offset // 2, base)
+            nbytes = tl.where(left > 0, tl.minimum(left, PIECE), 16)
             _prefetch(ptrs, nbytes)
             if GATED:
                 _prefetch(ptrs + N * K, nbytes)
@@ -196,7 +206,7 @@ if triton is not None:
         gu_rows, gu_groups, gu_items,
         d_rows, d_kps, d_groups, d_items,
         sync_ptr, times_ptr,
-        NPROG: tl.constexpr, ONLY: tl.constexpr, TIMES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+        NPROG: tl.constexpr, ONLY: tl.constexpr, TIMES: tl.constexpr, LANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BLOCK_K: tl.constexpr,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
         QKV_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, PREFETCH: tl.constexpr, PENDING_SPLITS: tl.constexpr, O_SPLITS: tl.constexpr,
@@ -205,7 +215,7 @@ if triton is not None:
         if TIMES:
             _stamp(times_ptr, pid, 0)
         if PREFETCH > 0 and ONLY < 0:
-            _prefetch_item(pid, wqkv_ptr, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, False, BN_QKV, PREFETCH)
+            _prefetch_item(pid, wqkv_ptr, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, False, BN_QKV, PREFETCH, LANES)
         if ONLY < 0 or ONLY == 0:
             _norm_rows(pid, h_ptr, pending_ptr, norm1_ptr, h2_ptr, x_ptr, M, H, eps1, stride_h,
                        stride_pending, stride_pending_row, NPROG, BLOCK_H, PENDING_SPLITS)
@@ -214,9 +224,12 @@ if triton is not None:
             _products(pid, wqkv_ptr, x_ptr, qkv_ptr, bqkv_ptr, M, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, H, NQKV,
                       NPROG, BLOCK_M, BN_QKV, BLOCK_K, False, QKV_BIAS, False)
         if PREFETCH > 0 and ONLY < 0:
-            if pid < M * HKV:  # this program's first (row, head): its keys and values
-                kv = tl.zeros((1,), tl.int64) + (pid // HKV * stride_kcb + pid % HKV * stride_kch)
-                nbytes = tl.zeros((1,), tl.int32) + tl.minimum(PREFETCH * 8, W * D * 2)
+            if pid < M * HKV:  # this program's first (row, head): its keys' and values' first 8 x PREFETCH bytes
+                PIECE: tl.constexpr = PREFETCH * 8 // LANES
+                offset = tl.arange(0, LANES) * PIECE
+                inside = offset < W * D * 2
+                kv = pid // HKV * stride_kcb + pid % HKV * stride_kch + tl.where(inside, offset // 2, 0)
+                nbytes = tl.where(inside, tl.minimum(W * D * 2 - offset, PIECE), 16)
                 _prefetch(kc_ptr + kv, nbytes)
                 _prefetch(vc_ptr + kv, nbytes)
         _barrier(sync_ptr, times_ptr, pid, 1, NPROG, ONLY, TIMES)
@@ -233,13 +246,13 @@ if triton is not None:
                     HKV, G, GP, D, BLOCK_W, False, False, ".cg",
                 )
         if PREFETCH > 0 and ONLY < 0:
-            _prefetch_item(pid, wo_ptr, H, HKV * G * D, o_rows, o_kps, o_groups, o_items, False, BN_O, PREFETCH)
+            _prefetch_item(pid, wo_ptr, H, HKV * G * D, o_rows, o_kps, o_groups, o_items, False, BN_O, PREFETCH, LANES)
         _barrier(sync_ptr, times_ptr, pid, 2, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 3:
             _products(pid, wo_ptr, o_ptr, o_parts_ptr, wo_ptr, M, H, HKV * G * D, o_rows, o_kps, o_groups, o_items, HKV * G * D, H,
                       NPROG, BLOCK_M, BN_O, BLOCK_K, True, False, False)
         if PREFETCH > 0 and ONLY < 0:
-            _prefetch_item(pid, wgu_ptr, I, H, gu_rows, H, gu_groups, gu_items, True, BN_GU, PREFETCH)
+            _prefetch_item(pid, wgu_ptr, I, H, gu_rows, H, gu_groups, gu_items, True, BN_GU, PREFETCH, LANES)
         _barrier(sync_ptr, times_ptr, pid, 3, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 4:
             _norm_rows(pid, h2_ptr, o_parts_ptr, norm2_ptr, h3_ptr, x2_ptr, M, H, eps2, H, M * H, H, NPROG, BLOCK_H, O_SPLITS)
@@ -248,7 +261,7 @@ if triton is not None:
             _products(pid, wgu_ptr, x2_ptr, act_ptr, bgu_ptr, M, I, H, gu_rows, H, gu_groups, gu_items, H, I,
                       NPROG, BLOCK_M, BN_GU, BLOCK_K, False, GU_BIAS, True)
         if PREFETCH > 0 and ONLY < 0:
-            _prefetch_item(pid, wd_ptr, H, I, d_rows, d_kps, d_groups, d_items, False, BN_D, PREFETCH)
+            _prefetch_item(pid, wd_ptr, H, I, d_rows, d_kps, d_groups, d_items, False, BN_D, PREFETCH, LANES)
         _barrier(sync_ptr, times_ptr, pid, 5, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 6:
             _products(pid, wd_ptr, act_ptr, down_parts_ptr, wd_ptr, M, H, I, d_rows, d_kps, d_groups, d_items, I, H,
@@ -406,7 +419,7 @@ def persistent_decode_layer(
     )
     G = Hq // Hkv
     constants = dict(
-        NPROG=programs, TIMES=TIMES and not phases, BLOCK_M=max(16, triton.next_power_of_2(B)), BLOCK_H=triton.next_power_of_2(H),
+        NPROG=programs, TIMES=TIMES and not phases, LANES=32 * NUM_WARPS, BLOCK_M=max(16, triton.next_power_of_2(B)), BLOCK_H=triton.next_power_of_2(H),
         BN_QKV=p_qkv["block_n"], BN_O=p_o["block_n"], BN_GU=p_gu["block_n"], BN_D=p_d["block_n"], BLOCK_K=BLOCK_K,
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_W=BLOCK_W,
         QKV_BIAS=qkv_b is not None, GU_BIAS=gu_b is not None, PREFETCH=0 if phases else PREFETCH,

@@ -77,7 +77,7 @@ def test_the_kernel_compiles_for_hopper_with_its_barriers(tmp_path: Path, monkey
     for only, prefetch, times in ((-1, 0, False), (-1, 1024, True), (5, 0, False)):
         constants = dict(NPROG=132, ONLY=only, BLOCK_M=64, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=128, BN_D=128, BLOCK_K=64,
                          HKV=2, G=6, GP=16, D=128, BLOCK_W=64, QKV_BIAS=True, GU_BIAS=False, PREFETCH=prefetch,
-                         PENDING_SPLITS=10, O_SPLITS=4, TIMES=times)
+                         PENDING_SPLITS=10, O_SPLITS=4, TIMES=times, LANES=256)
         ptx = str(compile_for_hopper(pl._layer_kernel, signature, constants)["ptx"])
         # six barriers: one arrival each (acquire-release), the spin's acquire loads
         assert ptx.count("atom.global.gpu.acq_rel.add") == (6 if only < 0 else 0)

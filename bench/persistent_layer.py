@@ -49,6 +49,9 @@ NUM_STAGES = 4
 PROGRAMS: int | None = None
 #: Largest weight tile (rows): its accumulator (two for gate/up) lives in registers.
 MAX_TILE = 128
+#: q/k/v as partial sums over two or more parts of K (like o and down: wider tiles, fewer
+#: re-reads of the normed input), added with the bias by each attention item for its own heads.
+QKV_SPLIT = False
 #: Record each program's time at the start, at every barrier (arriving, leaving) and at the end
 #: of every layer's kernel (:func:`phase_times` reads the last step's).
 TIMES = False
@@ -148,6 +151,20 @@ if triton is not None:
             tl.store(x_out_ptr + m * N + rn, (normed * weight).to(dtype), mask=inside)
 
     @triton.jit
+    def _sum_columns(parts_ptr, out_ptr, bias_ptr, row, col0, ncols, M, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr):
+        """Row ``row``'s columns [col0, col0 + ncols) of SPLITS (S, M, N) float32 partial sums,
+        added in order, plus the bias, rounded into ``out`` (M, N)."""
+        rc = tl.arange(0, BLOCK)
+        inside = rc < ncols
+        cols = col0 + rc
+        total = tl.zeros((BLOCK,), tl.float32)
+        for s in tl.static_range(SPLITS):
+            total += tl.load(parts_ptr + (s * M + row) * N + cols, mask=inside, other=0.0, cache_modifier=".cg")
+        if BIAS:
+            total += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _products(
         pid, w_ptr, x_ptr, out_ptr, bias_ptr, M, N, K, rows, k_per_split, groups, items, stride_x, stride_out,
         NPROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -196,12 +213,12 @@ if triton is not None:
     def _layer_kernel(
         h_ptr, pending_ptr, stride_h, stride_pending, stride_pending_row,
         norm1_ptr, norm2_ptr, eps1, eps2,
-        h2_ptr, x_ptr, qkv_ptr, o_ptr, o_parts_ptr, h3_ptr, x2_ptr, act_ptr, down_parts_ptr,
+        h2_ptr, x_ptr, qkv_ptr, qkv_parts_ptr, o_ptr, o_parts_ptr, h3_ptr, x2_ptr, act_ptr, down_parts_ptr,
         wqkv_ptr, bqkv_ptr, wo_ptr, wgu_ptr, bgu_ptr, wd_ptr,
         cos_ptr, sin_ptr, kc_ptr, vc_ptr, index_ptr, bias_ptr, W, window, scale,
         stride_cb, stride_sb, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, stride_bb,
         M, H, NQKV, I,
-        qkv_rows, qkv_groups, qkv_items,
+        qkv_rows, qkv_kps, qkv_groups, qkv_items,
         o_rows, o_kps, o_groups, o_items,
         gu_rows, gu_groups, gu_items,
         d_rows, d_kps, d_groups, d_items,
@@ -210,6 +227,7 @@ if triton is not None:
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, BLOCK_K: tl.constexpr,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr,
         QKV_BIAS: tl.constexpr, GU_BIAS: tl.constexpr, PREFETCH: tl.constexpr, PENDING_SPLITS: tl.constexpr, O_SPLITS: tl.constexpr,
+        QKV_SPLITS: tl.constexpr, BLOCK_QG: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if TIMES:
@@ -221,8 +239,12 @@ if triton is not None:
                        stride_pending, stride_pending_row, NPROG, BLOCK_H, PENDING_SPLITS)
         _barrier(sync_ptr, times_ptr, pid, 0, NPROG, ONLY, TIMES)
         if ONLY < 0 or ONLY == 1:
-            _products(pid, wqkv_ptr, x_ptr, qkv_ptr, bqkv_ptr, M, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, H, NQKV,
-                      NPROG, BLOCK_M, BN_QKV, BLOCK_K, False, QKV_BIAS, False)
+            if QKV_SPLITS > 1:  # partial sums over K, added (with the bias) in the attention phase
+                _products(pid, wqkv_ptr, x_ptr, qkv_parts_ptr, bqkv_ptr, M, NQKV, H, qkv_rows, qkv_kps, qkv_groups, qkv_items, H, NQKV,
+                          NPROG, BLOCK_M, BN_QKV, BLOCK_K, True, False, False)
+            else:
+                _products(pid, wqkv_ptr, x_ptr, qkv_ptr, bqkv_ptr, M, NQKV, H, qkv_rows, H, qkv_groups, qkv_items, H, NQKV,
+                          NPROG, BLOCK_M, BN_QKV, BLOCK_K, False, QKV_BIAS, False)
         if PREFETCH > 0 and ONLY < 0:
             if pid < M * HKV:  # this program's first (row, head): its keys' and values' first 8 x PREFETCH bytes
                 PIECE: tl.constexpr = PREFETCH * 8 // LANES
@@ -237,6 +259,12 @@ if triton is not None:
             cur = tl.load(index_ptr)
             for item in range(pid, M * HKV, NPROG):
                 b = item // HKV
+                if QKV_SPLITS > 1:  # this (row, head)'s q, k and v from the partial sums, by this program for itself
+                    hk = item % HKV
+                    _sum_columns(qkv_parts_ptr, qkv_ptr, bqkv_ptr, b, hk * G * D, G * D, M, NQKV, QKV_SPLITS, BLOCK_QG, QKV_BIAS)
+                    _sum_columns(qkv_parts_ptr, qkv_ptr, bqkv_ptr, b, (HKV * G + hk) * D, D, M, NQKV, QKV_SPLITS, D, QKV_BIAS)
+                    _sum_columns(qkv_parts_ptr, qkv_ptr, bqkv_ptr, b, (HKV * G + HKV + hk) * D, D, M, NQKV, QKV_SPLITS, D, QKV_BIAS)
+                    tl.debug_barrier()  # the stores above before this program's threads load them
                 cos, sin = rotation(cos_ptr, sin_ptr, b, stride_cb, stride_sb, D)
                 rope_window_attend(
                     b, item % HKV, 0, item, cos, sin, cur,
@@ -281,15 +309,19 @@ def whole_items(N: int, programs: int) -> dict[str, int]:
     return {"rows": rows, "k_per_split": 0, "groups": -(-N // rows), "splits": 1, "block_n": _tile(rows)}
 
 
-def split_items(M: int, N: int, K: int, programs: int, block_k: int = BLOCK_K) -> dict[str, int]:
+def split_items(M: int, N: int, K: int, programs: int, block_k: int | None = None, min_parts: int = 1) -> dict[str, int]:
     """Row ranges times parts of K for a product stored as partial sums, at most ``programs``
     items: the split that loads the fewest bytes per program, counting the weight's rows, half
-    of the input's (it comes from L2, not memory) and the partial sums' writing and reading."""
+    of the input's (it comes from L2, not memory) and the partial sums' writing and reading;
+    at least ``min_parts`` parts of K where K has as many blocks."""
+    block_k = block_k or BLOCK_K
     blocks = K // block_k
     best: tuple[float, dict[str, int]] | None = None
-    for parts in range(1, min(16, blocks) + 1):
+    for parts in range(min(min_parts, blocks), min(16, blocks) + 1):
         per_part = -(-blocks // parts)
         splits = -(-blocks // per_part)
+        if splits > programs:
+            break
         rows = -(-N * splits // programs)
         while -(-N // rows) * splits > programs:
             rows += 1
@@ -303,14 +335,13 @@ def split_items(M: int, N: int, K: int, programs: int, block_k: int = BLOCK_K) -
     return best[1]
 
 
-@functools.lru_cache(maxsize=None)
 def layer_plan(M: int, H: int, QD: int, NQKV: int, I: int, programs: int) -> dict[str, dict[str, int]]:
     """Every product's items for a layer of hidden size H, query width QD (heads x head dim),
     q/k/v width NQKV and MLP width I."""
     if H % BLOCK_K or I % BLOCK_K or QD % BLOCK_K:
         raise ValueError(f"the persistent layer needs hidden, query and MLP sizes that are multiples of {BLOCK_K}")
     plan = {
-        "qkv": whole_items(NQKV, programs),
+        "qkv": split_items(M, NQKV, H, programs, min_parts=2) if QKV_SPLIT else whole_items(NQKV, programs),
         "o": split_items(M, H, QD, programs),
         "gate_up": whole_items(I, programs),
         "down": split_items(M, H, I, programs),
@@ -391,6 +422,7 @@ def persistent_decode_layer(
     dtype, dev = h.dtype, h.device
     h2, x, h3, x2 = (torch.empty(B, H, dtype=dtype, device=dev) for _ in range(4))
     qkv = torch.empty(B, NQKV, dtype=dtype, device=dev)
+    qkv_parts = torch.empty(plan["qkv"]["splits"], B, NQKV, dtype=torch.float32, device=dev) if plan["qkv"]["splits"] > 1 else qkv
     o = torch.empty(B, Hq * D, dtype=dtype, device=dev)
     act = torch.empty(B, I, dtype=dtype, device=dev)
     o_parts = torch.empty(plan["o"]["splits"], B, H, dtype=torch.float32, device=dev)
@@ -404,14 +436,14 @@ def persistent_decode_layer(
     args = (
         h2d, pend, h2d.stride(0), pend.stride(0), pend.stride(1),
         norm1.weight, norm2.weight, _eps(norm1), _eps(norm2),
-        h2, x, qkv, o, o_parts, h3, x2, act, down_parts,
+        h2, x, qkv, qkv_parts, o, o_parts, h3, x2, act, down_parts,
         attn.qkv_proj.weight, attn.qkv_proj.weight if qkv_b is None else qkv_b, attn.o_proj.weight,
         mlp.gate_up_proj.weight, mlp.gate_up_proj.weight if gu_b is None else gu_b, mlp.down_proj.weight,
         cos2, sin2, k_all, v_all, index, attn_bias, W, -(-W // BLOCK_W) * BLOCK_W, parts.scaling,
         cos2.stride(0), sin2.stride(0), k_all.stride(0), k_all.stride(1), k_all.stride(2),
         v_all.stride(0), v_all.stride(1), v_all.stride(2), attn_bias.stride(0),
         B, H, NQKV, I,
-        p_qkv["rows"], p_qkv["groups"], p_qkv["groups"],
+        p_qkv["rows"], p_qkv["k_per_split"] or H, p_qkv["groups"], p_qkv["groups"] * p_qkv["splits"],
         p_o["rows"], p_o["k_per_split"], p_o["groups"], p_o["groups"] * p_o["splits"],
         p_gu["rows"], p_gu["groups"], p_gu["groups"],
         p_d["rows"], p_d["k_per_split"], p_d["groups"], p_d["groups"] * p_d["splits"],
@@ -423,7 +455,7 @@ def persistent_decode_layer(
         BN_QKV=p_qkv["block_n"], BN_O=p_o["block_n"], BN_GU=p_gu["block_n"], BN_D=p_d["block_n"], BLOCK_K=BLOCK_K,
         HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_W=BLOCK_W,
         QKV_BIAS=qkv_b is not None, GU_BIAS=gu_b is not None, PREFETCH=0 if phases else PREFETCH,
-        PENDING_SPLITS=pend.shape[0], O_SPLITS=p_o["splits"],
+        PENDING_SPLITS=pend.shape[0], O_SPLITS=p_o["splits"], QKV_SPLITS=p_qkv["splits"], BLOCK_QG=triton.next_power_of_2(Hq * D // Hkv),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     for only in range(7) if phases else (-1,):

@@ -33,7 +33,8 @@ products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
 multiprocessor, grid barriers between the phases), ``persistent-pf`` the same asking L2 for the
 first KiB of each weight row of the next phase before each barrier, ``persistent-w4`` with 4
 warps per program instead of 8, ``persistent-times`` stamps the phases' times (printed: each
-phase's work and span, each barrier's release), ``persistent-phases`` its
+phase's work and span, each barrier's release), ``persistent-qkvsplit`` q/k/v as partial sums
+over K (added by the attention), ``persistent-phases`` its
 phases as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
@@ -82,6 +83,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "persistent-pf": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "prefetch": 1024},
     "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
     "persistent-times": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "times": True},
+    "persistent-qkvsplit": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "qkv_split": True},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
@@ -109,6 +111,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         persistent_layer.PREFETCH = variant.get("prefetch", 0)
         persistent_layer.NUM_WARPS = variant.get("warps", 8)
         persistent_layer.TIMES = variant.get("times", False)
+        persistent_layer.QKV_SPLIT = variant.get("qkv_split", False)
 
         head = functools.partial(kernel_decode_head, pdl=False)
         head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head

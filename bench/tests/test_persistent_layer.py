@@ -32,12 +32,21 @@ with torch.no_grad():  # biases and norm weights start at 0 and 1, where droppin
         if "bias" in name or "norm" in name:
             p.add_(torch.randn_like(p) * 0.3)
 results = []
-for variant in ({"merge_weights": True}, {"merge_weights": True, "persistent": True, "phases": True}):
+for variant in ({"merge_weights": True}, {"merge_weights": True, "persistent": True, "phases": True},
+                {"merge_weights": True, "persistent": True, "phases": True, "qkv_split": True}):
+    if variant.get("qkv_split"):  # 32-deep blocks: the 64-wide model's K in two parts, so that q/k/v splits
+        persistent_layer.BLOCK_K = 32
+        persistent_layer.QKV_SPLIT = True  # (as _decoder sets it)
+        c = model.config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        qd, nqkv = c.num_attention_heads * hd, (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
+        assert persistent_layer.layer_plan(3, c.hidden_size, qd, nqkv, c.intermediate_size, 3)["qkv"]["splits"] > 1
     dec = profile._decoder(model, 6, variant)
     torch.manual_seed(4)
     results.append(dec.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]]))
-assert torch.equal(results[1][0], results[0][0]), (results[0][0], results[1][0])
-torch.testing.assert_close(results[1][3], results[0][3], rtol=1e-5, atol=1e-5)
+for got in results[1:]:  # the phases, then with q/k/v as partial sums over K
+    assert torch.equal(got[0], results[0][0]), (results[0][0], got[0])
+    torch.testing.assert_close(got[3], results[0][3], rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
@@ -77,7 +86,8 @@ def test_the_kernel_compiles_for_hopper_with_its_barriers(tmp_path: Path, monkey
     for only, prefetch, times in ((-1, 0, False), (-1, 1024, True), (5, 0, False)):
         constants = dict(NPROG=132, ONLY=only, BLOCK_M=64, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=128, BN_D=128, BLOCK_K=64,
                          HKV=2, G=6, GP=16, D=128, BLOCK_W=64, QKV_BIAS=True, GU_BIAS=False, PREFETCH=prefetch,
-                         PENDING_SPLITS=10, O_SPLITS=4, TIMES=times, LANES=256)
+                         PENDING_SPLITS=10, O_SPLITS=4, TIMES=times, LANES=256,
+                         QKV_SPLITS=4 if times else 1, BLOCK_QG=1024)
         ptx = str(compile_for_hopper(pl._layer_kernel, signature, constants)["ptx"])
         # six barriers: one arrival each (acquire-release), the spin's acquire loads
         assert ptx.count("atom.global.gpu.acq_rel.add") == (6 if only < 0 else 0)

@@ -84,6 +84,13 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
+    def silu_times(gate, up, dtype: tl.constexpr):
+        """SiLU(gate) * up from float32 sums, rounded to ``dtype`` as the torch layer rounds:
+        gate, SiLU(gate), up, then (by the caller's store) their product."""
+        gate = gate.to(dtype).to(tl.float32)
+        return (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _product_kernel(
         w_ptr, x_ptr, out_ptr, bias_ptr, M, N, K, k_per_split, stride_x, stride_out,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,11 +133,21 @@ if triton is not None:
                 acc += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
                 if GATED:
                     acc_u += tl.load(bias_ptr + N + rn).to(tl.float32)[:, None]
-            if GATED:  # rounded as the torch layer rounds: gate, SiLU(gate), up, their product
-                gate = acc.to(dtype).to(tl.float32)
-                act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                acc = act * acc_u.to(dtype).to(tl.float32)
+            if GATED:
+                acc = silu_times(acc, acc_u, dtype)
             tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(dtype), mask=stored)
+
+    @triton.jit
+    def add_norm_store(h, total, weight, eps, N, h_out, x_out, inside):
+        """A row: h' = h + round(total), rounded, stored at ``h_out``; RMSNorm(h') * ``weight``
+        stored at ``x_out`` (float32 ``h``, ``total`` and ``weight``; ``inside`` masks the row)."""
+        dtype = h_out.dtype.element_ty
+        h = (h + total.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(h_out, h, mask=inside)
+        hf = h.to(tl.float32)
+        variance = tl.sum(hf * hf, 0) / N
+        normed = (hf * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
+        tl.store(x_out, (normed * weight).to(dtype), mask=inside)
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -145,19 +162,13 @@ if triton is not None:
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
-        dtype = h_out_ptr.dtype.element_ty
         total = tl.zeros((BLOCK,), tl.float32)
         for s in tl.static_range(SPLIT):
             total += tl.load(parts_ptr + s * stride_parts + m * stride_part_row + rn, mask=inside, other=0.0).to(tl.float32)
         if BIAS:
             total += tl.load(bias_ptr + rn, mask=inside, other=0.0).to(tl.float32)
         h = tl.load(h_ptr + m * stride_h + rn, mask=inside, other=0.0).to(tl.float32)
-        h = (h + total.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(h_out_ptr + m * N + rn, h, mask=inside)
-        hf = h.to(tl.float32)
-        variance = tl.sum(hf * hf, 0) / N
-        normed = (hf * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-        tl.store(x_out_ptr + m * N + rn, (normed * weight).to(dtype), mask=inside)
+        add_norm_store(h, total, weight, eps, N, h_out_ptr + m * N + rn, x_out_ptr + m * N + rn, inside)
 
 
 @functools.lru_cache(maxsize=None)

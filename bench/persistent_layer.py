@@ -62,6 +62,7 @@ STAMPS = 16
 PREFETCH = 0
 
 if triton is not None:
+    from bench.decode_kernels import add_norm_store, silu_times
     from grpo_plugins.generators.decode_attention import rope_window_attend, rotation
 
     @triton.jit
@@ -137,18 +138,12 @@ if triton is not None:
         rn = tl.arange(0, BLOCK)
         inside = rn < N
         weight = tl.load(w_ptr + rn, mask=inside, other=0.0).to(tl.float32)
-        dtype = h_out_ptr.dtype.element_ty
         for m in range(pid, M, NPROG):
             total = tl.zeros((BLOCK,), tl.float32)
             for s in tl.static_range(SPLITS):
                 total += tl.load(parts_ptr + s * stride_parts + m * stride_part_row + rn, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
             h = tl.load(h_ptr + m * stride_h + rn, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
-            h = (h + total.to(dtype).to(tl.float32)).to(dtype)
-            tl.store(h_out_ptr + m * N + rn, h, mask=inside)
-            hf = h.to(tl.float32)
-            variance = tl.sum(hf * hf, 0) / N
-            normed = (hf * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-            tl.store(x_out_ptr + m * N + rn, (normed * weight).to(dtype), mask=inside)
+            add_norm_store(h, total, weight, eps, N, h_out_ptr + m * N + rn, x_out_ptr + m * N + rn, inside)
 
     @triton.jit
     def _sum_columns(parts_ptr, out_ptr, bias_ptr, row, col0, ncols, M, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, BIAS: tl.constexpr):
@@ -204,9 +199,7 @@ if triton is not None:
                     if GATED:
                         acc_u += tl.load(bias_ptr + N + rn, mask=mine, other=0.0).to(tl.float32)[:, None]
                 if GATED:
-                    gate = acc.to(dtype).to(tl.float32)
-                    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-                    acc = act * acc_u.to(dtype).to(tl.float32)
+                    acc = silu_times(acc, acc_u, dtype)
                 tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(dtype), mask=stored)
 
     @triton.jit

@@ -328,16 +328,18 @@ def split_items(M: int, N: int, K: int, programs: int, block_k: int | None = Non
     return best[1]
 
 
-def layer_plan(M: int, H: int, QD: int, NQKV: int, I: int, programs: int) -> dict[str, dict[str, int]]:
+@functools.lru_cache(maxsize=None)
+def layer_plan(M: int, H: int, QD: int, NQKV: int, I: int, programs: int, qkv_split: bool = False, block_k: int = 64) -> dict[str, dict[str, int]]:
     """Every product's items for a layer of hidden size H, query width QD (heads x head dim),
-    q/k/v width NQKV and MLP width I."""
-    if H % BLOCK_K or I % BLOCK_K or QD % BLOCK_K:
-        raise ValueError(f"the persistent layer needs hidden, query and MLP sizes that are multiples of {BLOCK_K}")
+    q/k/v width NQKV and MLP width I (``qkv_split``: q/k/v as partial sums, see
+    :data:`QKV_SPLIT`; ``block_k``: the K loop's block)."""
+    if H % block_k or I % block_k or QD % block_k:
+        raise ValueError(f"the persistent layer needs hidden, query and MLP sizes that are multiples of {block_k}")
     plan = {
-        "qkv": split_items(M, NQKV, H, programs, min_parts=2) if QKV_SPLIT else whole_items(NQKV, programs),
-        "o": split_items(M, H, QD, programs),
+        "qkv": split_items(M, NQKV, H, programs, block_k, min_parts=2) if qkv_split else whole_items(NQKV, programs),
+        "o": split_items(M, H, QD, programs, block_k),
         "gate_up": whole_items(I, programs),
-        "down": split_items(M, H, I, programs),
+        "down": split_items(M, H, I, programs, block_k),
     }
     if max(items["block_n"] for items in plan.values()) > MAX_TILE:
         raise ValueError(f"the persistent layer's tiles hold at most {MAX_TILE} rows: too few programs for this layer")
@@ -409,7 +411,7 @@ def persistent_decode_layer(
     Hq, Hkv, D = parts.num_heads, parts.num_kv_heads, parts.head_dim
     NQKV, I = attn.qkv_proj.weight.shape[0], mlp.down_proj.weight.shape[1]
     programs = _programs(h.device)
-    plan = layer_plan(B, H, Hq * D, NQKV, I, programs)
+    plan = layer_plan(B, H, Hq * D, NQKV, I, programs, QKV_SPLIT, BLOCK_K)
     h2d = h.reshape(B, H)
     pend = _pending_parts(pending, B)
     dtype, dev = h.dtype, h.device

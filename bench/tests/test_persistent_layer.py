@@ -36,11 +36,10 @@ for variant in ({"merge_weights": True}, {"merge_weights": True, "persistent": T
                 {"merge_weights": True, "persistent": True, "phases": True, "qkv_split": True}):
     if variant.get("qkv_split"):  # 32-deep blocks: the 64-wide model's K in two parts, so that q/k/v splits
         persistent_layer.BLOCK_K = 32
-        persistent_layer.QKV_SPLIT = True  # (as _decoder sets it)
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         qd, nqkv = c.num_attention_heads * hd, (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
-        assert persistent_layer.layer_plan(3, c.hidden_size, qd, nqkv, c.intermediate_size, 3)["qkv"]["splits"] > 1
+        assert persistent_layer.layer_plan(3, c.hidden_size, qd, nqkv, c.intermediate_size, 3, True, 32)["qkv"]["splits"] > 1
     dec = profile._decoder(model, 6, variant)
     torch.manual_seed(4)
     results.append(dec.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]]))

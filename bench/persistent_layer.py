@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.decode_kernels import MAX_ROWS, _eps, _pending_parts
+from bench.decode_kernels import _eps, _pending_parts
 
 try:
     import triton
@@ -403,7 +403,7 @@ def persistent_decode_layer(
     docstring; the same layers as ``bench.decode_kernels.kernel_decode_layer`` take, the same
     residual hand-over). ``phases``: the seven phases as seven launches, without barriers."""
     B = h.shape[0]
-    if B > MAX_ROWS or B > 64:
+    if B > 64:  # the rows are one 64-wide tile of every product
         raise ValueError("the persistent layer takes at most 64 rows")
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from grpo_plugins.generators.persistent_layer import norm_eps, pending_parts
+
 try:
     import triton
     import triton.language as tl
@@ -42,6 +44,7 @@ except ImportError:  # a Triton without programmatic dependent launch
 MAX_ROWS = 128
 
 if triton is not None:
+    from grpo_plugins.generators.persistent_kernels import add_norm_store, silu_times
 
     @triton.jit
     def _peeled(w_rows, u_rows, x_rows, rows, k_per_split, BLOCK_K: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
@@ -82,13 +85,6 @@ if triton is not None:
             if GATED:
                 acc_u = tl.dot(tl.load(u_rows + k), x, acc_u)
         return acc, acc_u
-
-    @triton.jit
-    def silu_times(gate, up, dtype: tl.constexpr):
-        """SiLU(gate) * up from float32 sums, rounded to ``dtype`` as the torch layer rounds:
-        gate, SiLU(gate), up, then (by the caller's store) their product."""
-        gate = gate.to(dtype).to(tl.float32)
-        return (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
 
     @triton.jit
     def _product_kernel(
@@ -136,18 +132,6 @@ if triton is not None:
             if GATED:
                 acc = silu_times(acc, acc_u, dtype)
             tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(dtype), mask=stored)
-
-    @triton.jit
-    def add_norm_store(h, total, weight, eps, N, h_out, x_out, inside):
-        """A row: h' = h + round(total), rounded, stored at ``h_out``; RMSNorm(h') * ``weight``
-        stored at ``x_out`` (float32 ``h``, ``total`` and ``weight``; ``inside`` masks the row)."""
-        dtype = h_out.dtype.element_ty
-        h = (h + total.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(h_out, h, mask=inside)
-        hf = h.to(tl.float32)
-        variance = tl.sum(hf * hf, 0) / N
-        normed = (hf * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-        tl.store(x_out, (normed * weight).to(dtype), mask=inside)
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -285,16 +269,6 @@ def _(h: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float, pd
     return torch.empty_like(h)
 
 
-def _eps(norm: Any) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-
-
-def _pending_parts(pending: torch.Tensor, B: int) -> torch.Tensor:
-    """The residual stream's pending addend as (S, B, H) partial sums: the layer before's down
-    product's as they are, the decode step's initial zeros (B, 1, H) as one part."""
-    return pending if pending.shape[1] == B else pending.reshape(1, B, -1)
-
-
 def kernel_decode_layer(
     parts: Any, layer: Any, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_all: torch.Tensor, v_all: torch.Tensor, bias: torch.Tensor, index: torch.Tensor, pdl: bool = True,
@@ -308,7 +282,7 @@ def kernel_decode_layer(
     B = h.shape[0]
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    h2, x = run_add_rms_norm(h.reshape(B, -1), _pending_parts(pending, B), None, norm1.weight, _eps(norm1), pdl)
+    h2, x = run_add_rms_norm(h.reshape(B, -1), pending_parts(pending, B), None, norm1.weight, norm_eps(norm1), pdl)
     qkv = product(x, attn.qkv_proj.weight, attn.qkv_proj.bias, pdl=pdl)
     nq, nk = parts.num_heads * parts.head_dim, parts.num_kv_heads * parts.head_dim
     q = qkv[:, :nq].view(B, parts.num_heads, parts.head_dim)
@@ -316,7 +290,7 @@ def kernel_decode_layer(
     v = qkv[:, nq + nk :].view(B, parts.num_kv_heads, parts.head_dim)
     o = run_rope_kernel(q, k, v, cos[:, 0], sin[:, 0], k_all, v_all, index, bias, parts.scaling, pdl=pdl)
     o_parts = product(o.reshape(B, -1), attn.o_proj.weight, split_out=True, pdl=pdl)
-    h2, x = run_add_rms_norm(h2, o_parts, None, norm2.weight, _eps(norm2), pdl)
+    h2, x = run_add_rms_norm(h2, o_parts, None, norm2.weight, norm_eps(norm2), pdl)
     act = product(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, gated=True, pdl=pdl)
     return h2.view(B, 1, -1), product(act, mlp.down_proj.weight, split_out=True, pdl=pdl)
 
@@ -324,7 +298,7 @@ def kernel_decode_layer(
 def kernel_final_norm(parts: Any, h: torch.Tensor, pending: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """The final norm of ``h`` plus the last :func:`kernel_decode_layer`'s pending partial sums (B, 1, H)."""
     B = h.shape[0]
-    return add_rms_norm(h.reshape(B, -1), _pending_parts(pending, B), parts.norm.weight, _eps(parts.norm), pdl).view(B, 1, -1)
+    return add_rms_norm(h.reshape(B, -1), pending_parts(pending, B), parts.norm.weight, norm_eps(parts.norm), pdl).view(B, 1, -1)
 
 
 def kernel_decode_head(

@@ -29,13 +29,11 @@ programmatic dependent launch (each product's K loop whole, the wait before it);
 ``kernels-peel`` / ``-pre2`` / ``-pre4``: each product loading its first 1 / 2 / 4 blocks of
 weights outside the loop, before it waits for the kernel before (as measured at 43d9c22); ``kernels-wide`` / ``kernels-wide-nopdl``: the
 products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
-``persistent``: each layer one persistent kernel of ``bench/persistent_layer.py`` (a program per
-multiprocessor, grid barriers between the phases), ``persistent-pf`` the same asking L2 for the
-first KiB of each weight row of the next phase before each barrier, ``persistent-w4`` with 4
-warps per program instead of 8, ``persistent-times`` stamps the phases' times (printed: each
-phase's work and span, each barrier's release), ``persistent-qkvsplit`` q/k/v as partial sums
-over K (added by the attention), ``persistent-phases`` its
-phases as seven launches without barriers.
+``persistent``: the static generator's ``persistent_layers: true`` (each layer one persistent
+kernel, :mod:`grpo_plugins.generators.persistent_layer`: a program per multiprocessor, grid
+barriers between the phases), ``persistent-times`` the same stamping the phases' times
+(printed: each phase's work and span, each barrier's release), ``persistent-phases`` its phases
+as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -80,10 +78,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kernels-wide-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False, "plan": "wide"},
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
     "persistent": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False},
-    "persistent-pf": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "prefetch": 1024},
-    "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
     "persistent-times": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "times": True},
-    "persistent-qkvsplit": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "qkv_split": True},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
@@ -104,19 +99,16 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
 
         layer_fn = make_decode_layer(variant["pdl"])
     if variant.get("persistent"):  # each layer one persistent kernel (or its phases as 7 launches); the head compiled
-        from bench import persistent_layer
-        from bench.decode_kernels import kernel_decode_head
-        from bench.persistent_layer import persistent_decode_layer
+        from grpo_plugins.generators import persistent_layer
+        from grpo_plugins.generators.persistent_layer import persistent_decode_head, persistent_decode_layer
 
-        persistent_layer.PREFETCH = variant.get("prefetch", 0)
-        persistent_layer.NUM_WARPS = variant.get("warps", 8)
         persistent_layer.TIMES = variant.get("times", False)
-        persistent_layer.QKV_SPLIT = variant.get("qkv_split", False)
-
-        head = functools.partial(kernel_decode_head, pdl=False)
-        head = torch.compile(head, fullgraph=True, dynamic=True) if variant.get("compile") else head
+        if not variant["phases"]:  # the setting itself, with its check at first use
+            dec.persistent_layers, dec.compile = True, bool(variant.get("compile"))
+            return dec
+        head = torch.compile(persistent_decode_head, fullgraph=True, dynamic=True) if variant.get("compile") else persistent_decode_head
         dec._compiled_step = functools.partial(
-            decode_step, layer_fn=functools.partial(persistent_decode_layer, phases=variant["phases"]), head_fn=head
+            decode_step, layer_fn=functools.partial(persistent_decode_layer, phases=True), head_fn=head
         )
         return dec
     if variant.get("kernels"):  # the layers as Triton kernels, not compiled; the head compiled
@@ -310,7 +302,7 @@ def main() -> None:
                 for row in table["top"][:12]:
                     print(f"    {row['us_per_step']:8.1f} us  x{row['per_step']:5.1f}  {row['name']}")
         if VARIANTS.get(name, {}).get("times"):
-            from bench.persistent_layer import phase_times
+            from grpo_plugins.generators.persistent_layer import phase_times
 
             results[name]["phase_times_us"] = phase_times()
             write_json(path, results)

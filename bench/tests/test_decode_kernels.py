@@ -11,10 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # the offline sm_90 compiler helper the core's tests use
-from triton_compile import compile_for_hopper, run_interpreted  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_scripts import SAME_SAMPLES, TINY_MODEL  # noqa: E402
+from triton_compile import compile_for_hopper, run_interpreted  # noqa: E402
 
 
 def _interpret(script: str, *args: str) -> str:

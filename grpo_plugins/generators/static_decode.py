@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,8 +44,17 @@ from grpo_plugins.generators.static_layers import (
     has_lora,
     merged_layers_supported,
 )
+from grpo_plugins.generators.persistent_layer import (
+    check_barriers,
+    persistent_decode_head,
+    persistent_decode_layer,
+    use_persistent_layers,
+)
 from grpo_plugins.generators.static_steps import (
     DecodeState,
+    attention_windows,
+    batch_bucket,
+    bucket,
     decode_head,
     decode_layer,
     decode_step,
@@ -78,27 +86,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def bucket(n: int, multiple: int) -> int:
-    """``n`` rounded up to a multiple of ``multiple``."""
-    return max(multiple, math.ceil(n / multiple) * multiple)
-
-
-def batch_bucket(n: int) -> int:
-    """The batch rows a graph is built for: the next power of two, at least 8."""
-    return max(8, 1 << (max(n, 1) - 1).bit_length())
-
-
-def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[int]:
-    """The attention windows (cache slots read) of the decode graphs for prompts of ``P`` and
-    completions of ``T`` tokens: ``P + step``, ``P + 2 step``, ... up to ``P + T - 1`` (the last
-    token fed back sits at cache index ``P + T - 2``), the step widened so that there are at
-    most ``most`` windows. Every window is narrower than the cache (``P + T`` slots), so one
-    compiled layer serves them all: a window as wide as the cache would be traced differently."""
-    n = max(1, T - 1)
-    step = max(step, math.ceil(n / most))
-    return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
 
 
 def _with_compile_settings(step: Callable[..., None], *args: Any, **kwargs: Any) -> None:
@@ -186,6 +173,8 @@ class StaticDecoder:
             (fused products: ~10% faster decoding at 0.5B-1.5B).
         fused_attention: the decode attention as one Triton kernel
             (:mod:`~grpo_plugins.generators.decode_attention`); None (auto): where it can run.
+        persistent_layers: decode each layer as one persistent Triton kernel
+            (:mod:`~grpo_plugins.generators.persistent_layer`); None (auto): where it can run.
     """
 
     def __init__(
@@ -208,6 +197,7 @@ class StaticDecoder:
         window_step: int = 128,
         fp8: bool = False,
         fused_attention: bool | None = None,
+        persistent_layers: bool | None = False,
     ) -> None:
         self.model = model
         self.window_step = window_step
@@ -227,6 +217,8 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
+        self._persistent_step: Callable[..., None] | None = None
+        self.persistent_layers = persistent_layers
         self._merged: list[MergedLayer] | None = None
         reason = merged_layers_supported(self.parts)
         if fp8:
@@ -267,6 +259,13 @@ class StaticDecoder:
             self._compiled_step = fn
         return self._compiled_step
 
+    def _persistent_step_fn(self) -> Callable[..., None]:
+        """The decode step with :func:`persistent_decode_layer` layers (Triton, not compiled)."""
+        if self._persistent_step is None:
+            head = compile_region(persistent_decode_head, fullgraph=True, backend=self.compile_backend) if self.compile else persistent_decode_head
+            self._persistent_step = functools.partial(decode_step, layer_fn=persistent_decode_layer, head_fn=head)
+        return self._persistent_step
+
     def _graph(self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype) -> _Graph:
         key = (B, P, T)
         if key in self._graphs:
@@ -278,7 +277,7 @@ class StaticDecoder:
             parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
         )
         st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
-        step = self._step_fn()
+        step = self._persistent_step_fn() if use_persistent_layers(parts, B, self.persistent_layers) else self._step_fn()
         args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
         windows = attention_windows(P, T, self.window_step)
         eager = [functools.partial(step, *args, window=w) for w in windows]
@@ -437,6 +436,8 @@ class StaticDecoder:
                 steps += 1
         finally:
             self.model.train(was_training)
+        if device.type == "cuda":
+            check_barriers(device)
 
         tokens = st.out_tokens[:n, :steps].clone()  # (n, steps)
         logps = st.out_logps[:n, :steps].clone()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -12,6 +13,27 @@ import torch.nn.functional as F
 from grpo_plugins.generators.decode_attention import fused_rope_window_attention, rope_window_attention, rotate_half
 from grpo_plugins.generators.static_layers import DecoderParts
 from grpo_plugins.kinds import SamplingSettings
+
+
+def bucket(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def batch_bucket(n: int) -> int:
+    """The batch rows a graph is built for: the next power of two, at least 8."""
+    return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+def attention_windows(P: int, T: int, step: int = 128, most: int = 16) -> list[int]:
+    """The attention windows (cache slots read) of the decode graphs for prompts of ``P`` and
+    completions of ``T`` tokens: ``P + step``, ``P + 2 step``, ... up to ``P + T - 1`` (the last
+    token fed back sits at cache index ``P + T - 2``), the step widened so that there are at
+    most ``most`` windows. Every window is narrower than the cache (``P + T`` slots), so one
+    compiled layer serves them all: a window as wide as the cache would be traced differently."""
+    n = max(1, T - 1)
+    step = max(step, math.ceil(n / most))
+    return [P + min(n, j * step) for j in range(1, math.ceil(n / step) + 1)]
 
 
 def process_logits(logits: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings) -> torch.Tensor:

@@ -32,8 +32,9 @@ products under the float8 kernel's launch plan (64- and 128-row tiles) instead;
 ``persistent``: the static generator's ``persistent_layers: true`` (each layer one persistent
 kernel, :mod:`grpo_plugins.generators.persistent_layer`: a program per multiprocessor, grid
 barriers between the phases), ``persistent-times`` the same stamping the phases' times
-(printed: each phase's work and span, each barrier's release), ``persistent-phases`` its phases
-as seven launches without barriers.
+(printed: each phase's work and span, each barrier's release), ``persistent-bw128`` /
+``-w4`` / ``-s3`` with 128-key attention blocks, 4 warps per program, 3 pipeline stages,
+``persistent-phases`` its phases as seven launches without barriers.
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -79,6 +80,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kernels-nopdl": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "kernels": True, "pdl": False},
     "persistent": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False},
     "persistent-times": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "times": True},
+    "persistent-bw128": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "block_w": 128},
+    "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
+    "persistent-s3": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "stages": 3},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
 }
 
@@ -103,6 +107,9 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         from grpo_plugins.generators.persistent_layer import persistent_decode_head, persistent_decode_layer
 
         persistent_layer.TIMES = variant.get("times", False)
+        persistent_layer.BLOCK_W = variant.get("block_w", 64)
+        persistent_layer.NUM_WARPS = variant.get("warps", 8)
+        persistent_layer.NUM_STAGES = variant.get("stages", 4)
         if not variant["phases"]:  # the setting itself, with its check at first use
             dec.persistent_layers, dec.compile = True, bool(variant.get("compile"))
             return dec

@@ -80,8 +80,18 @@ def test_every_phase_has_at_most_one_item_per_program_and_covers_its_weight(shap
     assert plan["qkv"]["splits"] > 1  # q/k/v as partial sums: each program reads a slice of the input
     if H == 1536:  # gate/up: 132 equal ranges of 68 rows (in 128-row tiles) where 64-row tiles would be 140 items
         assert (plan["gate_up"]["rows"], plan["gate_up"]["groups"]) == (68, 132)
-    with pytest.raises(ValueError, match="8 programs"):  # 128-row tiles cannot hold a 7B layer on 8 programs
+    with pytest.raises(ValueError, match="fits 8 programs in tiles of at most 128 rows"):  # 128-row tiles cannot hold a 7B layer on 8 programs
         layer_plan(64, 3584, 3584, 4608, 18944, 8)
+
+
+def test_a_step_of_128_rows_takes_tiles_half_as_tall() -> None:
+    from grpo_plugins.generators.persistent_layer import layer_plan
+
+    small = layer_plan(128, 576, 576, 960, 1536, 132)  # SmolLM2-135M (the GPU example decodes 128 rows)
+    assert max(items["block_n"] for items in small.values()) <= 64
+    with pytest.raises(ValueError, match="128 rows a step allow tiles of at most 64 weight rows"):
+        layer_plan(128, 1536, 1536, 2048, 8960, 132)  # 1.5B's gate/up needs 68-row ranges
+    assert layer_plan(64, 1536, 1536, 2048, 8960, 132)["gate_up"]["block_n"] == 128
 
 
 def test_the_kernel_compiles_for_hopper_with_bounded_barriers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,8 +102,9 @@ def test_the_kernel_compiles_for_hopper_with_bounded_barriers(tmp_path: Path, mo
     pointers = {name: "*bf16" for name in kernel.arg_names if name.endswith("_ptr")}
     pointers.update(pending_ptr="*fp32", o_parts_ptr="*fp32", down_parts_ptr="*fp32", index_ptr="*i64", bias_ptr="*fp32", sync_ptr="*i64", times_ptr="*i64")
     signature = {name: pointers.get(name, "fp32" if name in ("eps1", "eps2", "scale") else "i32") for name in kernel.arg_names}
-    for only, times in ((-1, False), (-1, True), (5, False)):
-        constants = dict(NPROG=132, ONLY=only, BLOCK_M=64, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=128, BN_D=128, BLOCK_K=64,
+    for only, times, rows in ((-1, False, 64), (-1, True, 64), (5, False, 64), (-1, False, 128)):
+        tile = 8192 // rows  # the tallest weight tile beside this many step rows
+        constants = dict(NPROG=132, ONLY=only, BLOCK_M=rows, BLOCK_H=2048, BN_QKV=16, BN_O=64, BN_GU=tile, BN_D=tile, BLOCK_K=64,
                          HKV=2, G=6, GP=16, D=128, BLOCK_W=64, QKV_BIAS=True, GU_BIAS=False,
                          PENDING_SPLITS=10, O_SPLITS=4, TIMES=times, QKV_SPLITS=4 if times else 1, BLOCK_QG=1024, SPIN=pk.SPIN_LIMIT)
         ptx = str(compile_for_hopper(kernel, signature, constants)["ptx"])

@@ -31,9 +31,10 @@ BLOCK_K = 64
 NUM_WARPS = 8
 NUM_STAGES = 4
 #: The most rows a step may have: they are one tile of every product.
-MAX_ROWS = 64
-#: Largest weight tile (rows): its accumulator (two for gate/up) lives in registers.
-MAX_TILE = 128
+MAX_ROWS = 128
+#: Largest accumulator of a product (weight rows x step rows, float32; two for gate/up): it lives
+#: in registers. 128 weight rows at 64 step rows, 64 at 128.
+MAX_TILE_ELEMENTS = 128 * 64
 #: Programs per launch (None: one per multiprocessor); the CPU tests use a few so that each
 #: program takes several items.
 PROGRAMS: int | None = None
@@ -53,6 +54,11 @@ def whole_items(N: int, programs: int) -> dict[str, int]:
     return {"rows": rows, "k_per_split": 0, "groups": -(-N // rows), "splits": 1, "block_n": _tile(rows)}
 
 
+def _max_tile(M: int) -> int:
+    """The most weight rows a tile may have beside M step rows."""
+    return MAX_TILE_ELEMENTS // max(16, 1 << (max(M, 1) - 1).bit_length())
+
+
 def split_items(M: int, N: int, K: int, programs: int, block_k: int | None = None, min_parts: int = 1) -> dict[str, int]:
     """Row ranges times parts of K for a product stored as partial sums, at most ``programs``
     items: the split that loads the fewest bytes per program, counting the weight's rows, half
@@ -69,14 +75,14 @@ def split_items(M: int, N: int, K: int, programs: int, block_k: int | None = Non
         rows = -(-N * splits // programs)
         while -(-N // rows) * splits > programs:
             rows += 1
-        if _tile(rows) > MAX_TILE:
+        if _tile(rows) > _max_tile(M):
             continue
         depth = per_part * block_k
         cost = rows * depth * 2 + 0.5 * max(16, M) * depth * 2 + splits * M * N * 4 * 2 / programs
         if best is None or cost < best[0]:
             best = (cost, {"rows": rows, "k_per_split": depth, "groups": -(-N // rows), "splits": splits, "block_n": _tile(rows)})
     if best is None:
-        raise ValueError(f"no split of a ({N}, {K}) weight fits {programs} programs in tiles of at most {MAX_TILE} rows")
+        raise ValueError(f"no split of a ({N}, {K}) weight fits {programs} programs in tiles of at most {_max_tile(M)} rows")
     return best[1]
 
 
@@ -94,8 +100,8 @@ def layer_plan(M: int, H: int, QD: int, NQKV: int, I: int, programs: int, qkv_sp
         "gate_up": whole_items(I, programs),
         "down": split_items(M, H, I, programs, block_k),
     }
-    if max(items["block_n"] for items in plan.values()) > MAX_TILE:
-        raise ValueError(f"tiles of at most {MAX_TILE} rows need more programs than this GPU's {programs}")
+    if max(items["block_n"] for items in plan.values()) > _max_tile(M):
+        raise ValueError(f"{M} rows a step allow tiles of at most {_max_tile(M)} weight rows: more programs than this GPU's {programs}")
     return plan
 
 
@@ -262,7 +268,7 @@ def persistent_layers_unsupported(parts: Any, rows: int) -> str | None:
     if torch.cuda.get_device_capability(weight.device)[0] < 8:
         return "it needs an Ampere or newer GPU"
     if rows > MAX_ROWS:
-        return f"it takes at most {MAX_ROWS} rows a step, not {rows} (max_batch_rows)"
+        return f"it takes at most {MAX_ROWS} rows a step, not {rows} (set max_batch_rows)"
     for layer in parts.layers:
         if not isinstance(layer, MergedLayer) or layer.self_attn.qkv_proj.fp8:
             return "it needs the merged 16-bit weight copies (merge_weights, without fp8)"

@@ -24,6 +24,8 @@ import torch
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.decode_attention import fused_attention_unsupported
 from grpo_plugins.generators.persistent_kernels import SPIN_LIMIT, STAMPS, triton
+from grpo_plugins.generators.static_layers import MergedLayer
+from grpo_plugins.generators.static_steps import decode_head, decode_layer
 
 #: Keys per block of the attention's loop; depth of the products' K blocks; launch settings.
 BLOCK_W = 64
@@ -247,8 +249,6 @@ def persistent_decode_head(
     """The static loop's ``decode_head`` after :func:`persistent_decode_layer` layers: their last
     pending partial sums added up, rounded, then the final norm of the residual stream, the LM
     head and sampling."""
-    from grpo_plugins.generators.static_steps import decode_head
-
     B = h.shape[0]
     decode_head(parts, st, s, pad_id, stop_at_eos, h, pending_parts(pending, B).sum(0).to(h.dtype).view_as(h))
 
@@ -258,8 +258,6 @@ def persistent_layers_unsupported(parts: Any, rows: int) -> str | None:
     (None: they can): it takes merged 16-bit layers of RMSNorms, SiLU-gated MLPs and attention
     without query/key norms or o/down biases, on an Ampere or newer CUDA GPU, at most
     :data:`MAX_ROWS` rows."""
-    from grpo_plugins.generators.static_layers import MergedLayer
-
     weight = parts.embed.weight
     groups = parts.num_heads // parts.num_kv_heads
     reason = fused_attention_unsupported(weight.device, parts.head_dim, groups, weight.dtype)
@@ -297,8 +295,6 @@ def persistent_layers_fault(parts: Any, rows: int) -> str | None:
     layer, with random inputs and a random cache window of several blocks, it computes what the
     torch decode layer computes; its barriers did not give up). Checked once per device, dtype
     and layer shape."""
-    from grpo_plugins.generators.static_steps import decode_layer
-
     layer = parts.layers[0]
     weight = layer.self_attn.qkv_proj.weight
     key = (weight.device, weight.dtype, tuple(weight.shape), tuple(layer.mlp.down_proj.weight.shape), rows)

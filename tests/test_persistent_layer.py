@@ -171,7 +171,7 @@ def _tiny_decoder(**settings: object) -> object:
 def test_asking_for_persistent_layers_where_they_cannot_run_is_an_error_naming_the_setting() -> None:
     with pytest.raises(GRPOPluginsError, match="persistent_layers cannot run here: it needs a CUDA device; set persistent_layers: false"):
         _tiny_decoder(persistent_layers=True, merge_weights=True).generate([[5, 6]])
-    auto = _tiny_decoder(persistent_layers=None).generate([[5, 6]])  # auto: the torch layers where it cannot run
+    auto = _tiny_decoder(persistent_layers=None, stop_at_eos=False).generate([[5, 6]])  # auto: the torch layers where it cannot run
     assert auto[0].shape == (1, 3)
 
 

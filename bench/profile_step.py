@@ -30,8 +30,8 @@ import bench.bench_grpo as bench_grpo  # noqa: E402
 from bench._common import DEVICE, build_model, gib, length_reward, load_tokenizer, median, out_dir, reset_peak, sync, write_json  # noqa: E402
 from bench.bench_grpo import _reset_accelerate, dataset, ours_config  # noqa: E402
 
-#: --fused-logps: the training passes use bench/fused_logps.py's chunk.
-FUSED_LOGPS = False
+#: --compiled-logps: the log-prob chunks run compiled, not as grpo_plugins.fused_logprobs's kernels.
+COMPILED_LOGPS = False
 
 
 def _instrument(record: list[dict[str, Any]], phase: str, fn: Any, profile_at: int | None = None) -> Any:
@@ -87,10 +87,9 @@ def run(
 
     def setup_and_instrument() -> None:  # the generator and the update exist once it is set up
         setup()
-        if FUSED_LOGPS:  # the candidate log-prob chunk (bench/fused_logps.py) instead of the compiled one
-            from bench.fused_logps import fused_chunk_logps
-
-            engine.update.policy.chunk_fn = functools.partial(fused_chunk_logps, temperature=engine.config.temperature)
+        chunk_fn = engine.update.policy.chunk_fn
+        if COMPILED_LOGPS and hasattr(chunk_fn, "fallback"):  # the compiled chunk the fused kernels replace
+            engine.update.policy.chunk_fn = chunk_fn.fallback
         engine.generator.generate = _instrument(record, "generate", engine.generator.generate)
         engine.update.micro_step = _instrument(record, "micro_step", engine.update.micro_step, warmup if profile else None)
 
@@ -144,9 +143,9 @@ def main() -> None:
         "have no query row that attends to nothing, which is what its NaN needs)",
     )
     parser.add_argument(
-        "--fused-logps", action="store_true",
-        help="a candidate: the log-prob chunks as bench/fused_logps.py's two Triton kernels (one read of the logits each) "
-        "instead of the compiled chunk",
+        "--compiled-logps", action="store_true",
+        help="the log-prob chunks as the compiled torch chunk (reads the logits ~twice per pass) instead of "
+        "grpo_plugins.fused_logprobs's kernels (the default on CUDA)",
     )
     parser.add_argument(
         "--keep-logits", action="store_true",
@@ -154,8 +153,8 @@ def main() -> None:
         "(more memory: a chunk's logits per chunk of a pass)",
     )
     args = parser.parse_args()
-    global FUSED_LOGPS
-    FUSED_LOGPS = args.fused_logps
+    global COMPILED_LOGPS
+    COMPILED_LOGPS = args.compiled_logps
     if args.keep_logits:
         import grpo_plugins.logprobs as logprobs
 

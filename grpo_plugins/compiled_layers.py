@@ -68,7 +68,11 @@ class CompiledLayers:
     """
 
     def __init__(
-        self, layers: list[torch.nn.Module], backend: str = "inductor", embeddings: torch.nn.Module | None = None
+        self,
+        layers: list[torch.nn.Module],
+        backend: str = "inductor",
+        embeddings: torch.nn.Module | None = None,
+        fused_logprobs: bool = False,
     ) -> None:
         self.layers = layers
         self.embeddings = embeddings
@@ -79,8 +83,13 @@ class CompiledLayers:
                 compiled[cls] = compile_region(cls.forward, backend=backend)
         self._forwards = [compiled[type(layer)].__get__(layer) for layer in layers]
         #: One chunk of the chunked log-softmax (pass as ``completion_logps(chunk_fn=...)``): the
-        #: log-sum-exp, target gather and entropy fused, without (N, vocab) float32 temporaries.
-        self.chunk_logps = compile_region(chunk_logps, backend=backend)
+        #: log-sum-exp, target gather and entropy fused, without (N, vocab) float32 temporaries;
+        #: with ``fused_logprobs``, Triton kernels that read the logits once where they apply.
+        self.chunk_logps: Any = compile_region(chunk_logps, backend=backend)
+        if fused_logprobs:
+            from grpo_plugins.fused_logprobs import FusedChunkLogps
+
+            self.chunk_logps = FusedChunkLogps(self.chunk_logps)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -105,14 +114,15 @@ class CompiledLayers:
                 layer.__dict__.pop("forward", None)
 
     @classmethod
-    def for_model(cls, model: Any, backend: str = "inductor") -> CompiledLayers | None:
+    def for_model(cls, model: Any, backend: str = "inductor", fused_logprobs: bool = False) -> CompiledLayers | None:
         """Compiled layers of ``model``, or None (with a log line) where it has no layer list."""
         layers = decoder_layers(model)
         if layers is None:
             logger.info("compile_layers: the model exposes no decoder layer list; training stays eager")
             return None
         get_embeddings = getattr(model, "get_input_embeddings", None)
-        return cls(layers, backend=backend, embeddings=get_embeddings() if callable(get_embeddings) else None)
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+        return cls(layers, backend=backend, embeddings=embeddings, fused_logprobs=fused_logprobs)
 
 
 def compiled_layers_for(
@@ -123,7 +133,8 @@ def compiled_layers_for(
     Default (``compile_layers: null``): on for CUDA training, full fine-tuning and LoRA alike --
     on the H200 it cut the micro-step of a 0.5B model by 40 % and the GPU example's (LoRA)
     median step from 0.95 to 0.32 s (docs/performance.md) -- except over a quantized
-    (bitsandbytes) base, whose layers have not been run compiled; off on a CPU.
+    (bitsandbytes) base, whose layers have not been run compiled; off on a CPU. On CUDA with
+    Triton the log-prob chunks then run :mod:`~grpo_plugins.fused_logprobs`'s kernels.
     """
     on_cuda = device.type == "cuda"
     if not (on_cuda and not quantized if compile_layers is None else compile_layers):
@@ -135,7 +146,11 @@ def compiled_layers_for(
         )
     # Without a GPU there is nothing to gain from generated kernels; "aot_eager" traces the
     # same graphs without needing a C++ compiler (what the CPU tests exercise).
-    return CompiledLayers.for_model(model, backend="inductor" if on_cuda else "aot_eager")
+    if not on_cuda:
+        return CompiledLayers.for_model(model, backend="aot_eager")
+    from grpo_plugins.fused_logprobs import fused_logprobs_available
+
+    return CompiledLayers.for_model(model, backend="inductor", fused_logprobs=fused_logprobs_available(device))
 
 
 def _same_input_kind(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor | None:

@@ -142,6 +142,9 @@ def _logit_transform(lm: Any, temperature: float) -> Callable[[Tensor], Tensor]:
             logits = logits.index_fill(-1, index, torch.finfo(logits.dtype).min)
         return logits
 
+    # What a kernel that only divides the logits needs to know (None: it does more than that).
+    only_divides = not (isinstance(scale, (int, float)) and scale != 1) and not softcap and not placeholders
+    transform.divisor = float(temperature) * float(divide or 1.0) if only_divides else None  # type: ignore[attr-defined]
     return transform
 
 

@@ -8,8 +8,8 @@ its phases separated by grid-wide barriers. Each phase's work is cut into at mos
 as programs: row ranges of a weight that need not be powers of two (the tile is, and masks the
 rest), times parts of K for the products stored as partial sums.
 
-Measured on an H100 in its benchmark form, before it became this setting (64 rows x 1024 tokens):
-Qwen2.5-0.5B 1.305 against 1.387 ms per token, 1.5B 2.428 against 2.431. A barrier waits for every program, so the kernel needs the whole GPU at
+Measured on an H100 (64 rows x 1024 tokens): Qwen2.5-0.5B 1.324 against 1.397 ms per token; not
+faster at 1.5B, slower on SmolLM2-135M at 128 rows. A barrier waits for every program, so the kernel needs the whole GPU at
 once; a barrier that waited too long gives up and raises a flag that :func:`check_barriers`
 turns into an error after the generation, instead of hanging.
 """

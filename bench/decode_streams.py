@@ -1,4 +1,4 @@
-"""Does a decode batch finish sooner as two halves decoded at once on two CUDA streams?
+"""Does a decode batch finish sooner as parts decoded at once on several CUDA streams?
 
 At 64 rows a small model's decode step is mostly fixed per-kernel costs (launch, ramp, tail:
 0.5B takes ~1.3 ms per token on an H100 and on an H200 alike, against a ~0.4 ms bandwidth
@@ -8,15 +8,16 @@ reads the weights once per step, so the weight traffic doubles. This measures, w
 shipped ``static`` decoder (compiled, merged weight copies by its own rule, the fused attention):
 
 * ``whole``: one decoder, ``--rows`` rows: the shipped way;
-* ``half``: one decoder of ``--rows / 2`` rows alone (the latency of a half);
-* ``two-streams``: two such decoders at once, each in its own thread and stream;
-* ``two-serial``: the same two one after the other (what ``max_batch_rows`` does today).
+* for each N of ``--parts``: one decoder of ``--rows / N`` rows alone (``part_alone``, a part's
+  latency); N such decoders at once, each in its own thread and stream (``streams``); the same
+  one after the other (``serial``, what ``max_batch_rows`` does today).
 
 Each timed over ``--tokens`` tokens a row (EOS ignored), median of ``--repeats``; ms per token is
-the time over ``--tokens``. The halves sample from the same model as the whole but with their
-own random streams, so tokens are not compared.
+the time over ``--tokens``. Each part's graphs are captured with a random state of their own
+(``Generator.graphsafe_set_state``), so that replays at once do not race on one generator's
+offset; ``parts_sample_apart`` checks that parts given the same prompts sample different tokens.
 
-    python bench/decode_streams.py --shape qwen2.5-0.5b --tokens 1024
+    python bench/decode_streams.py --shape qwen2.5-0.5b --tokens 1024 --parts 2 4
 
 Writes ``$OUT/decode_streams.json``.
 """
@@ -58,19 +59,23 @@ def _timed(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _on_streams(decoders: list[Any], prompts: list[list[list[int]]], streams: list[torch.cuda.Stream]) -> None:
-    """Each decoder's generate in a thread of its own, on its own stream; returns when all did."""
+def _on_streams(
+    decoders: list[Any], prompts: list[list[list[int]]], streams: list[torch.cuda.Stream], outputs: list[Any] | None = None
+) -> None:
+    """Each decoder's generate in a thread of its own, on its own stream; returns when all did
+    (their outputs appended to ``outputs`` in the decoders' order, if given)."""
     errors: list[BaseException] = []
+    results: list[Any] = [None] * len(decoders)
 
-    def work(dec: Any, rows: list[list[int]], stream: torch.cuda.Stream) -> None:
+    def work(i: int, dec: Any, rows: list[list[int]], stream: torch.cuda.Stream) -> None:
         try:
             stream.wait_stream(torch.cuda.default_stream())
             with torch.cuda.stream(stream):
-                dec.generate(rows)
+                results[i] = dec.generate(rows)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=args) for args in zip(decoders, prompts, streams)]
+    threads = [threading.Thread(target=work, args=(i, *args)) for i, args in enumerate(zip(decoders, prompts, streams))]
     for t in threads:
         t.start()
     for t in threads:
@@ -79,6 +84,8 @@ def _on_streams(decoders: list[Any], prompts: list[list[list[int]]], streams: li
         torch.cuda.default_stream().wait_stream(s)
     if errors:
         raise errors[0]
+    if outputs is not None:
+        outputs.extend(results)
 
 
 def main() -> None:
@@ -88,36 +95,54 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", type=int, nargs="+", default=[2], help="how many parts (and streams) to try")
     args = parser.parse_args()
     if DEVICE != "cuda":
         raise SystemExit("decode_streams.py needs a CUDA device")
     common.ACTIVE_SHAPE = args.shape
     model = common.build_model()
     model.train()
-    half = args.rows // 2
     prompts = [list(range(10, 10 + args.prompt)) for _ in range(args.rows)]
-    halves = [prompts[:half], prompts[half:]]
     whole = _decoder(model, args.tokens)
-    parts = [_decoder(model, args.tokens), _decoder(model, args.tokens)]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     torch.manual_seed(0)
-    whole.generate(prompts)  # compiles and captures, one decoder at a time (capture is not thread-safe)
-    for dec, rows in zip(parts, halves):
-        dec.generate(rows)
-    sync()
+    whole.generate(prompts)  # compiles and captures
     results: dict[str, Any] = {"args": vars(args), "device": torch.cuda.get_device_name()}
     results["whole_s"] = _timed(lambda: whole.generate(prompts), args.repeats)
-    results["half_s"] = _timed(lambda: parts[0].generate(halves[0]), args.repeats)
-    results["two_streams_s"] = _timed(lambda: _on_streams(parts, halves, streams), args.repeats)
-    results["two_serial_s"] = _timed(lambda: [dec.generate(rows) for dec, rows in zip(parts, halves)], args.repeats)
-    for key in ("whole", "half", "two_streams", "two_serial"):
-        results[f"{key}_ms_per_token"] = 1000 * results[f"{key}_s"] / args.tokens
-    results["two_streams_against_whole"] = results["two_streams_s"] / results["whole_s"]
+    print(f"whole: {args.rows} rows {1000 * results['whole_s'] / args.tokens:.3f} ms/token", flush=True)
+    for n in args.parts:
+        size = -(-args.rows // n)
+        chunks = [prompts[i : i + size] for i in range(0, args.rows, size)]
+        parts = [_decoder(model, args.tokens) for _ in chunks]
+        streams = [torch.cuda.Stream() for _ in chunks]
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        for i, (dec, rows) in enumerate(zip(parts, chunks)):  # capture one at a time (capture is not thread-safe)
+            # Each part's graphs draw from a random state of their own (registered at capture), so
+            # replays at once on two streams do not race on one generator's offset.
+            state = gen.clone_state()
+            state.manual_seed(1000 + i)
+            saved = gen.graphsafe_get_state()
+            gen.graphsafe_set_state(state)
+            try:
+                dec.generate(rows)
+            finally:
+                gen.graphsafe_set_state(saved)
+        sync()
+        row = {
+            "part_alone_s": _timed(lambda: parts[0].generate(chunks[0]), args.repeats),
+            "streams_s": _timed(lambda: _on_streams(parts, chunks, streams), args.repeats),
+            "serial_s": _timed(lambda: [dec.generate(rows) for dec, rows in zip(parts, chunks)], args.repeats),
+        }
+        row.update({k.replace("_s", "_ms_per_token"): 1000 * v / args.tokens for k, v in list(row.items())})
+        outs = []  # the same prompts in every part: parts with random states of their own sample apart
+        _on_streams(parts, chunks, streams, outs)
+        row["parts_sample_apart"] = bool((outs[0][0][: len(chunks[-1])] != outs[1][0][: len(chunks[-1])]).any()) if len(outs) > 1 else None
+        row["streams_against_whole"] = row["streams_s"] / results["whole_s"]
+        results[f"parts{n}"] = row
+        print(f"{n} parts of {size} rows: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+        parts.clear()  # the decoders, their caches and graphs
+        torch.cuda.empty_cache()
     results["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     write_json(out_dir() / "decode_streams.json", results)
-    for key, value in results.items():
-        if key != "args":
-            print(f"{key:28} {value:.4f}" if isinstance(value, float) else f"{key:28} {value}", flush=True)
 
 
 if __name__ == "__main__":

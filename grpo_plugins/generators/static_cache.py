@@ -95,6 +95,12 @@ class StaticCacheGenerator(Generator):
             description="Decode each layer as one persistent Triton kernel: a program per multiprocessor runs the norms, products, attention and MLP one after another with grid-wide barriers between them, instead of ~10 kernels per layer (Qwen2.5-0.5B at 64 rows on an H100: 1.324 instead of 1.397 ms per token; slower at 1.5B and on SmolLM2-135M at 128 rows). Needs the merged 16-bit weight copies (merge_weights, not fp8), Llama/Qwen2-style layers without query/key norms, an Ampere or newer GPU to itself (not shared through MPS), at most 128 rows a step (64 where a layer needs taller weight tiles, as 1.5B does); checked once per device against the torch layer. None: where it can run; true where it cannot is an error.",
         )
 
+        parallel_parts: int = Field(
+            1,
+            ge=1,
+            description="Decode the batch as this many parts at once, each with its own CUDA graphs, KV cache and random state, replayed on a CUDA stream of its own (one part's kernels run in the gaps of another's; each part reads the weights once per step). Meant for small models whose decode step is mostly fixed per-kernel costs. Not with persistent_layers. Not yet measured as a setting; bench/decode_streams.py measures the idea. 1: the batch as one.",
+        )
+
     samples_from_policy = True
     # Prompts with images: the vision-language model's own forward fills the cache, then the
     # static loop decodes with its language model (Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM).
@@ -155,6 +161,7 @@ class StaticCacheGenerator(Generator):
             fp8=self.params.fp8,
             fused_attention=self.params.fused_attention,
             persistent_layers=self.params.persistent_layers,
+            parallel_parts=self.params.parallel_parts,
         )
 
     @contextlib.contextmanager

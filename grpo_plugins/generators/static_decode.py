@@ -21,10 +21,10 @@ This module runs the loop (:class:`StaticDecoder`); the model's parts and merged
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -50,6 +50,7 @@ from grpo_plugins.generators.persistent_layer import (
     persistent_decode_layer,
     use_persistent_layers,
 )
+from grpo_plugins.generators.static_parts import PartRandomStates, WindowGraphs, decode_together, join_parts
 from grpo_plugins.generators.static_steps import (
     DecodeState,
     attention_windows,
@@ -93,42 +94,6 @@ def _with_compile_settings(step: Callable[..., None], *args: Any, **kwargs: Any)
         step(*args, **kwargs)
 
 
-@dataclass
-class _Graph:
-    """The decode steps of one (batch, prompt, completion) bucket: one replay per attention
-    window, ascending, all over the same :class:`DecodeState`."""
-
-    state: DecodeState
-    windows: list[int]
-    replays: list[Callable[[], None]]
-
-    def replay(self, cur: int) -> None:
-        """One decode step feeding cache index ``cur``: the smallest window that holds it."""
-        for window, replay in zip(self.windows, self.replays):
-            if cur < window:
-                replay()
-                return
-        raise AssertionError(f"cache index {cur} beyond the last window {self.windows[-1]}")
-
-
-def join_parts(parts: list[tuple[torch.Tensor, ...]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Stack the outputs of batches decoded one after the other (``max_batch_rows``): completion
-    ids, mask, truncation flags and log-probs, right-padded to the longest completion."""
-    if len(parts) == 1:
-        return parts[0]
-    width = max(p[0].shape[1] for p in parts)
-
-    def widen(x: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-    return (
-        torch.cat([widen(p[0], pad_id) for p in parts]),  # (n, T)
-        torch.cat([widen(p[1], 0) for p in parts]),  # (n, T)
-        torch.cat([p[2] for p in parts]),  # (n,)
-        torch.cat([widen(p[3], 0.0) for p in parts]),  # (n, T)
-    )
-
-
 def return_freed_memory(device: torch.device) -> None:
     """Hand the allocator's unused blocks back to the driver (CUDA only).
 
@@ -159,6 +124,9 @@ class StaticDecoder:
             ``generate``.
         max_batch_rows: decode at most this many rows at a time (None: all at once); a longer
             batch is decoded in consecutive parts, so the KV cache holds this many rows.
+        parallel_parts: decode the batch as this many parts at once, each with its own graphs,
+            KV cache and random state, on a CUDA stream of its own
+            (:mod:`~grpo_plugins.generators.static_parts`); 1: the batch as one.
         window_step: cache slots added from one attention window to the next (one captured
             graph per window, at most 16 per bucket).
         fp8: decode from float8 (e4m3) merged copies of the projection weights (implies
@@ -198,8 +166,18 @@ class StaticDecoder:
         fp8: bool = False,
         fused_attention: bool | None = None,
         persistent_layers: bool | None = False,
+        parallel_parts: int = 1,
     ) -> None:
+        if parallel_parts < 1:
+            raise GRPOPluginsError(f"generator 'static': parallel_parts must be at least 1, got {parallel_parts}")
+        if parallel_parts > 1 and persistent_layers:
+            raise GRPOPluginsError(
+                "generator 'static': persistent_layers needs the whole GPU for one part's step, and parallel_parts "
+                "decodes parts at once; set one of them back (parallel_parts: 1 or persistent_layers: false)"
+            )
         self.model = model
+        self.parallel_parts = parallel_parts
+        self._random = PartRandomStates()
         self.window_step = window_step
         self.max_batch_rows = max_batch_rows
         self.parts = check_supported(model)
@@ -214,11 +192,12 @@ class StaticDecoder:
         self.max_graphs = max_graphs
         self.release_cache = release_cache
         self.compile_backend = compile_backend
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, ...], WindowGraphs] = {}
+        self._streams: list[torch.cuda.Stream] = []
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
         self._persistent_step: Callable[..., None] | None = None
-        self.persistent_layers = persistent_layers
+        self.persistent_layers = persistent_layers if parallel_parts == 1 else False
         self._merged: list[MergedLayer] | None = None
         reason = merged_layers_supported(self.parts)
         if fp8:
@@ -266,12 +245,14 @@ class StaticDecoder:
             self._persistent_step = functools.partial(decode_step, layer_fn=persistent_decode_layer, head_fn=head)
         return self._persistent_step
 
-    def _graph(self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype) -> _Graph:
-        key = (B, P, T)
+    def _graph(
+        self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype, part: int = 0
+    ) -> WindowGraphs:
+        key = (B, P, T, part)
         if key in self._graphs:
             self._graphs[key] = self._graphs.pop(key)  # most recently used last
             return self._graphs[key]
-        while len(self._graphs) >= self.max_graphs:
+        while len(self._graphs) >= self.max_graphs * self.parallel_parts:
             self._graphs.pop(next(iter(self._graphs)))
         st = DecodeState.allocate(
             parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
@@ -281,10 +262,12 @@ class StaticDecoder:
         args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
         windows = attention_windows(P, T, self.window_step)
         eager = [functools.partial(step, *args, window=w) for w in windows]
-        entry = _Graph(st, windows, eager)
+        entry = WindowGraphs(st, windows, eager)
         if device.type == "cuda" and self.cuda_graph:
+            own_state = self._random.capturing(device, part) if self.parallel_parts > 1 else contextlib.nullcontext()
             try:
-                entry = _Graph(st, windows, self._capture(st, eager, device))
+                with own_state:
+                    entry = WindowGraphs(st, windows, self._capture(st, eager, device))
             except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
                 logger.warning(
                     "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
@@ -351,12 +334,14 @@ class StaticDecoder:
         """
         if any(len(p) == 0 for p in prompt_ids):
             raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
-        rows = min(self.max_batch_rows or len(prompt_ids), len(prompt_ids))
-        # Every part is decoded in one graph and cache, shaped for the longest prompt of the batch
-        # and the largest part, so a shorter part does not capture (and keep) a second one.
+        n = len(prompt_ids)
+        rows = min(self.max_batch_rows or n, n, -(-n // self.parallel_parts))
+        # Every part is decoded in graphs and caches shaped for the longest prompt of the batch
+        # and the largest part, so a shorter part does not capture (and keep) others.
         longest = max(len(p) for p in prompt_ids)
-        parts = [self._sample(prompt_ids[i : i + rows], longest, rows) for i in range(0, len(prompt_ids), rows)]
-        out = join_parts(parts, self.pad_id)
+        chunks = [prompt_ids[i : i + rows] for i in range(0, n, rows)]
+        groups = [chunks[i : i + self.parallel_parts] for i in range(0, len(chunks), self.parallel_parts)]
+        out = join_parts([part for group in groups for part in self._sample(group, longest, rows)], self.pad_id)
         if self.release_cache:
             # Only here, once _sample has returned: its locals hold the graph, the KV cache and the
             # merged layers until then, and the allocator cannot hand back blocks still in use.
@@ -365,15 +350,40 @@ class StaticDecoder:
             return_freed_memory(self.parts.embed.weight.device)
         return out
 
-    def _sample(
-        self, prompt_ids: list[list[int]], longest: int, rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode ``prompt_ids`` (at most ``rows``, none longer than ``longest`` tokens) in the
-        graph and cache for (rows, longest)."""
+    def _sample(self, group: list[list[list[int]]], longest: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
+        """Decode the parts of ``group`` at once (each at most ``rows`` prompts, none longer than
+        ``longest`` tokens), part ``i`` in the graphs and cache for (rows, longest, part ``i``)."""
         key = self._param_key()
         if key != self._weights_key:  # parameters re-allocated: captured addresses are stale
             self.clear()
             self._weights_key = key
+        device = self.parts.embed.weight.device
+        parts = self._decode_parts()
+        was_training = self.model.training
+        self.model.eval()  # no dropout (LoRA) while sampling
+        try:
+            begun = [self._begin(parts, prompts, longest, rows, i) for i, prompts in enumerate(group)]
+            streams = None
+            if len(group) > 1 and device.type == "cuda":
+                self._random.reseed(device, len(group))
+                while len(self._streams) < len(group):
+                    self._streams.append(torch.cuda.Stream(device))
+                streams = self._streams[: len(group)]
+            steps = decode_together(
+                [b[0] for b in begun], [b[2] for b in begun], self.sampling.max_completion_length, streams,
+                self.check_every, self.stop_at_eos,
+            )
+        finally:
+            self.model.train(was_training)
+        if device.type == "cuda":
+            check_barriers(device)
+        return [self._end(graph.state, n, steps) for graph, n, _ in begun]
+
+    def _begin(
+        self, parts: DecoderParts, prompt_ids: list[list[int]], longest: int, rows: int, part: int
+    ) -> tuple[WindowGraphs, int, int]:
+        """Part ``part``'s graphs, its prompts prefilled and its first tokens sampled: ready for
+        the decode steps. Returns the graphs, the part's prompt count and its prompt bucket."""
         device = self.parts.embed.weight.device
         dtype = self.parts.embed.weight.dtype
         n, T = len(prompt_ids), self.sampling.max_completion_length
@@ -385,8 +395,7 @@ class StaticDecoder:
                 f"generator 'static': prompt + completion ({P + T} tokens) exceed the model's "
                 f"sliding window ({window}); use generator: transformers"
             )
-        parts = self._decode_parts()
-        graph = self._graph(parts, B, P, T, device, dtype)
+        graph = self._graph(parts, B, P, T, device, dtype, part)
         st = graph.state
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
@@ -399,46 +408,36 @@ class StaticDecoder:
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, P), as generate() does
 
         images = collate([multimodal_of(p) for p in prompt_ids], ids, P, dtype)  # {} for text prompts
-        was_training = self.model.training
-        self.model.eval()  # no dropout (LoRA) while sampling
-        try:
-            if images:
-                logits, start = prefill_with_images(self.model, parts, ids, valid, positions, images, st.k_cache, st.v_cache)
-            else:
-                logits = prefill_distinct(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
-                start = valid.long().sum(-1)
-            st.key_valid[:, :P] = valid
-            st.key_valid[:, P:] = True
-            st.done.zero_()
-            st.done[n:] = True
-            if st.seen is not None:
-                st.seen.zero_()
-                st.seen.scatter_(1, ids, valid)
-            token, logp = sample_tokens(logits, st.seen, self.sampling)
-            token = torch.where(st.done, self.pad_id, token)
-            st.out_tokens.fill_(self.pad_id)
-            st.out_logps.zero_()
-            st.out_tokens[:, 0] = token
-            st.out_logps[:, 0] = torch.where(st.done, 0.0, logp)
-            if self.stop_at_eos:
-                st.done |= (token[:, None] == st.eos).any(dim=-1)
-            if st.seen is not None:
-                st.seen.scatter_(1, token[:, None], True)
-            st.token.copy_(token)
-            st.position.copy_(start)
-            st.cur.fill_(P)
-            st.step.fill_(1)
-            steps = 1
-            while steps < T:
-                if self.stop_at_eos and steps % self.check_every == 0 and bool(st.done.all()):
-                    break
-                graph.replay(P + steps - 1)  # feeds the token sampled last, at cache index P + steps - 1
-                steps += 1
-        finally:
-            self.model.train(was_training)
-        if device.type == "cuda":
-            check_barriers(device)
+        if images:
+            logits, start = prefill_with_images(self.model, parts, ids, valid, positions, images, st.k_cache, st.v_cache)
+        else:
+            logits = prefill_distinct(parts, ids, valid, positions, st.k_cache, st.v_cache)  # (B, V)
+            start = valid.long().sum(-1)
+        st.key_valid[:, :P] = valid
+        st.key_valid[:, P:] = True
+        st.done.zero_()
+        st.done[n:] = True
+        if st.seen is not None:
+            st.seen.zero_()
+            st.seen.scatter_(1, ids, valid)
+        token, logp = sample_tokens(logits, st.seen, self.sampling)
+        token = torch.where(st.done, self.pad_id, token)
+        st.out_tokens.fill_(self.pad_id)
+        st.out_logps.zero_()
+        st.out_tokens[:, 0] = token
+        st.out_logps[:, 0] = torch.where(st.done, 0.0, logp)
+        if self.stop_at_eos:
+            st.done |= (token[:, None] == st.eos).any(dim=-1)
+        if st.seen is not None:
+            st.seen.scatter_(1, token[:, None], True)
+        st.token.copy_(token)
+        st.position.copy_(start)
+        st.cur.fill_(P)
+        st.step.fill_(1)
+        return graph, n, P
 
+    def _end(self, st: DecodeState, n: int, steps: int) -> tuple[torch.Tensor, ...]:
+        """The first ``n`` rows' completions after ``steps`` tokens, cut at EOS."""
         tokens = st.out_tokens[:n, :steps].clone()  # (n, steps)
         logps = st.out_logps[:n, :steps].clone()
         if self.stop_at_eos:

@@ -34,7 +34,9 @@ kernel, :mod:`grpo_plugins.generators.persistent_layer`: a program per multiproc
 barriers between the phases), ``persistent-times`` the same stamping the phases' times
 (printed: each phase's work and span, each barrier's release), ``persistent-bw128`` /
 ``-w4`` / ``-s3`` with 128-key attention blocks, 4 warps per program, 3 pipeline stages,
-``persistent-phases`` its phases as seven launches without barriers.
+``persistent-phases`` its phases as seven launches without barriers; ``parts2`` / ``parts4``:
+``dynamic`` with the static generator's ``parallel_parts`` (the batch as 2 / 4 parts decoded at
+once on streams of their own; the graph-replay profile is of the first part's graphs alone).
 
     python bench/profile_decode.py --shape qwen2.5-0.5b --tokens 256 --variants dynamic static eager
 
@@ -84,6 +86,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "persistent-w4": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "warps": 4},
     "persistent-s3": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": False, "stages": 3},
     "persistent-phases": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True, "persistent": True, "phases": True},
+    "parts2": {"compile": True, "dynamic": True, "mode": None, "parallel_parts": 2},
+    "parts4": {"compile": True, "dynamic": True, "mode": None, "parallel_parts": 4},
 }
 
 
@@ -96,6 +100,7 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,
         merge_weights=variant.get("merge_weights"), fp8=variant.get("fp8", False),
         window_step=variant.get("window_step", 128), fused_attention=variant.get("fused_attention"),
+        parallel_parts=variant.get("parallel_parts", 1),
     )
     layer_fn = decode_layer
     if variant.get("swapped"):

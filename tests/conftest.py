@@ -61,3 +61,19 @@ def bwrap() -> None:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the sandbox tests, but bubblewrap is unusable: {problem}")
         pytest.skip(f"bubblewrap is unusable here: {problem}")
+
+
+@pytest.fixture()
+def cache_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every KV cache the static decoder allocates from now on, in order."""
+    import grpo_plugins.generators.static_decode as static_decode
+
+    rows: list[int] = []
+    allocate = static_decode.DecodeState.allocate
+
+    def tracked(parts: object, B: int, *args: object) -> object:
+        rows.append(B)
+        return allocate(parts, B, *args)
+
+    monkeypatch.setattr(static_decode.DecodeState, "allocate", staticmethod(tracked))
+    return rows

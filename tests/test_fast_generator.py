@@ -380,24 +380,15 @@ def test_release_cache_frees_the_cache_and_merged_copies_before_handing_memory_b
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_max_batch_rows_decodes_in_parts_with_the_same_result(llama: tuple, monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+def test_max_batch_rows_decodes_in_parts_with_the_same_result(llama: tuple, request: pytest.FixtureRequest, rows: int) -> None:
     """Greedy decoding in parts of ``rows`` completions gives what one batch gives (ids, mask,
     truncation, log-probs), with the parts' different completion lengths padded to the longest,
     in one KV cache of ``rows`` rows."""
-    import grpo_plugins.generators.static_decode as static_decode
-
     model, _ = llama
     greedy = SamplingSettings(max_completion_length=6, top_k=1)
     eos = [int(StaticDecoder(model, greedy, [2], 0).generate(PROMPTS)[0][1, 0])]  # one row stops at once
     whole = StaticDecoder(model, greedy, eos, 0).generate(PROMPTS)
-    allocated_rows: list[int] = []
-    allocate = static_decode.DecodeState.allocate
-
-    def tracked(parts: object, B: int, *args: object) -> object:
-        allocated_rows.append(B)
-        return allocate(parts, B, *args)
-
-    monkeypatch.setattr(static_decode.DecodeState, "allocate", staticmethod(tracked))
+    allocated_rows = request.getfixturevalue("cache_rows")
     split = StaticDecoder(model, greedy, eos, 0, max_batch_rows=rows).generate(PROMPTS)
     assert whole[1].sum(1).tolist() != [6] * 4  # completions of different lengths
     for a, b in zip(whole[:3], split[:3]):

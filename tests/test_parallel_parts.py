@@ -25,22 +25,13 @@ def llama(tiny_model: dict) -> tuple:
 
 
 @pytest.mark.parametrize("parts", [2, 3, 4])
-def test_parts_at_once_decode_what_one_batch_decodes(llama: tuple, monkeypatch: pytest.MonkeyPatch, parts: int) -> None:
-    import grpo_plugins.generators.static_decode as static_decode
-
+def test_parts_at_once_decode_what_one_batch_decodes(llama: tuple, request: pytest.FixtureRequest, parts: int) -> None:
     model, _ = llama
     greedy = SamplingSettings(max_completion_length=8, top_k=1)
     first = StaticDecoder(model, greedy, [2], 0).generate(PROMPTS)[0]
     eos = [int(first[1, 0]), int(first[4, 2])]  # rows stop at different steps
     whole = StaticDecoder(model, greedy, eos, 0, check_every=2).generate(PROMPTS)
-    allocated_rows: list[int] = []
-    allocate = static_decode.DecodeState.allocate
-
-    def tracked(parts_: object, B: int, *args: object) -> object:
-        allocated_rows.append(B)
-        return allocate(parts_, B, *args)
-
-    monkeypatch.setattr(static_decode.DecodeState, "allocate", staticmethod(tracked))
+    allocated_rows = request.getfixturevalue("cache_rows")
     together = StaticDecoder(model, greedy, eos, 0, check_every=2, parallel_parts=parts).generate(PROMPTS)
     assert len(set(whole[1].sum(1).tolist())) > 1  # completions of different lengths
     for a, b in zip(whole[:3], together[:3]):

@@ -111,3 +111,53 @@ def test_the_static_generator_passes_the_setting_on(llama: tuple) -> None:
     assert params.parallel_parts == 3
     with pytest.raises(Exception, match="parallel_parts"):
         component.validate_params({"parallel_parts": 0})
+
+
+class _FakeState:
+    def __init__(self, name: str) -> None:
+        self.name, self.seed = name, None
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = seed
+
+
+class _FakeGenerator:
+    """The graph-safe state calls of a CUDA generator (a CPU generator has none of them)."""
+
+    def __init__(self) -> None:
+        self.current = _FakeState("default")
+        self.clones = 0
+
+    def clone_state(self) -> _FakeState:
+        self.clones += 1
+        return _FakeState(f"clone{self.clones}")
+
+    def graphsafe_get_state(self) -> _FakeState:
+        return self.current
+
+    def graphsafe_set_state(self, state: _FakeState) -> None:
+        self.current = state
+
+
+def test_each_part_captures_with_its_own_state_reseeded_from_the_cpu_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpo_plugins.generators.static_parts import PartRandomStates
+
+    gen = _FakeGenerator()
+    monkeypatch.setattr(PartRandomStates, "_default", staticmethod(lambda device: gen))
+    states, device = PartRandomStates(), torch.device("cuda", 0)
+    seen = []
+    for part in (0, 1, 0):
+        with states.capturing(device, part):
+            seen.append(gen.current.name)
+        assert gen.current.name == "default"  # restored after the capture
+    assert seen == ["clone1", "clone2", "clone1"] and gen.clones == 2  # one state per part, kept
+    with pytest.raises(RuntimeError), states.capturing(device, 1):
+        raise RuntimeError("capture failed")
+    assert gen.current.name == "default"  # restored on an error too
+    torch.manual_seed(3)
+    states.reseed(device, 2)
+    first = [states._states[(device, p)].seed for p in (0, 1)]
+    torch.manual_seed(3)
+    states.reseed(device, 2)
+    assert first == [states._states[(device, p)].seed for p in (0, 1)]  # the run's seed fixes them
+    assert first[0] != first[1]

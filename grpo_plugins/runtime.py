@@ -7,6 +7,8 @@ config's batch arithmetic assumes.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 from typing import Any
 
@@ -33,6 +35,8 @@ def make_accelerator(config: GRPOConfig, registry: Any = None) -> tuple[Any, Bat
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     # accelerate only sets up gloo for a CPU-only multi-process launch (torchrun) when told to.
     cpu_only = world > 1 and not torch.accelerator.is_available()
+    if world > 1:
+        end_process_group_at_exit()
     # Each run sets its own precision: drop the settings an earlier Accelerator in this process
     # (another Engine in a notebook, a benchmark) left behind, keeping the process group.
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -49,3 +53,18 @@ def make_accelerator(config: GRPOConfig, registry: Any = None) -> tuple[Any, Bat
             f"{acc.num_processes} processes; remove num_processes (it is for plan/validate)"
         )
     return acc, plan
+
+
+@functools.cache
+def end_process_group_at_exit() -> None:
+    """Destroy the process group when the interpreter exits (once per process; a no-op if the
+    script destroyed it itself).
+
+    A launched process that exits with its gloo group alive can abort in the group's C++
+    destructor ("terminate called without an active exception", exit -6) after a run that
+    succeeded: its worker threads are torn down with the interpreter. Measured on 2 CPU
+    processes: 8 of 40 launches aborted so, none with the group destroyed at exit.
+    """
+    from grpo_plugins.sharding import end_process_group
+
+    atexit.register(end_process_group)

@@ -216,6 +216,32 @@ def test_top_entropy_quantile_takes_its_threshold_over_all_processes(tiny_model:
         torch.testing.assert_close(w2[key], w1[key], rtol=0, atol=1e-5)
 
 
+def test_a_launched_process_destroys_its_process_group_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gloo group left alive at exit can abort a process whose run succeeded (exit -6): a
+    multi-process run registers the group's destruction at exit, once, a no-op if it is gone."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from grpo_plugins import runtime
+
+    registered: list[Any] = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    runtime.end_process_group_at_exit.cache_clear()
+    try:
+        runtime.end_process_group_at_exit()
+        runtime.end_process_group_at_exit()
+        assert len(registered) == 1
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        registered[0]()
+        assert not dist.is_initialized()
+        registered[0]()  # already gone: nothing to do
+    finally:
+        runtime.end_process_group_at_exit.cache_clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_two_processes_train_lora_on_a_float8_base(tiny_model: dict, tmp_path: Path) -> None:
     """DDP over a float8 base (``load_in_fp8``): the processes start in step (its buffers pass

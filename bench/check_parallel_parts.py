@@ -4,7 +4,8 @@ CUDA streams of their own, each with its own graphs, cache and random state):
 * greedy decoding (top-k 1) with 2 and 4 parts at once gives the same tokens as the same parts
   decoded one after another (``max_batch_rows``: the same shapes, so the same kernels);
 * sampling: parts given the same prompts sample different tokens (their random states are their
-  own), and the same torch seed gives the same tokens again (a run's seed fixes the samples);
+  own), and the same torch seed gives the same tokens again (a run's seed fixes the samples),
+  also where a group's last part decodes alone;
 * the time of a generation with 1, 2 and 4 parts (``--tokens`` each, EOS ignored).
 
     python bench/check_parallel_parts.py --shape qwen2.5-0.5b --tokens 256 --out $OUT/parallel_parts.json
@@ -78,6 +79,15 @@ def main() -> None:
         failed.append("two parts given the same prompts sampled the same tokens")
     if not record["same_seed_same_tokens"]:
         failed.append("the same seed gave other tokens")
+    # Three parts of rows // 4 in groups of two: the last group is one part on its own state.
+    lone = _decoder(model, 32, 2, temperature=1.0, max_batch_rows=args.rows // 4)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        draws.append(lone.generate(same[: 3 * (args.rows // 4)])[0])
+    record["lone_last_part_same_seed_same_tokens"] = bool(torch.equal(*draws))
+    if not record["lone_last_part_same_seed_same_tokens"]:
+        failed.append("a lone last part gave other tokens for the same seed")
 
     for n in (1, 2, 4):
         dec = _decoder(model, args.tokens, n, temperature=1.0)

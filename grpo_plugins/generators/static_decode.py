@@ -364,7 +364,7 @@ class StaticDecoder:
         try:
             begun = [self._begin(parts, prompts, longest, rows, i) for i, prompts in enumerate(group)]
             streams = None
-            if len(group) > 1 and device.type == "cuda":
+            if self.parallel_parts > 1 and device.type == "cuda":  # a lone last part too: its graphs use its state
                 self._random.reseed(device, len(group))
                 while len(self._streams) < len(group):
                     self._streams.append(torch.cuda.Stream(device))

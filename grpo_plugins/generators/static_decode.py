@@ -50,7 +50,13 @@ from grpo_plugins.generators.persistent_layer import (
     persistent_decode_layer,
     use_persistent_layers,
 )
-from grpo_plugins.generators.static_parts import PartRandomStates, WindowGraphs, decode_together, join_parts
+from grpo_plugins.generators.static_parts import (
+    PartRandomStates,
+    WindowGraphs,
+    capture_windows,
+    decode_together,
+    join_parts,
+)
 from grpo_plugins.generators.static_steps import (
     DecodeState,
     attention_windows,
@@ -267,7 +273,7 @@ class StaticDecoder:
             own_state = self._random.capturing(device, part) if self.parallel_parts > 1 else contextlib.nullcontext()
             try:
                 with own_state:
-                    entry = WindowGraphs(st, windows, self._capture(st, eager, device))
+                    entry = WindowGraphs(st, windows, capture_windows(st, eager, device))
             except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
                 logger.warning(
                     "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
@@ -276,31 +282,6 @@ class StaticDecoder:
                 self.cuda_graph = False
         self._graphs[key] = entry
         return entry
-
-    @staticmethod
-    def _capture(st: DecodeState, steps: list[Callable[[], None]], device: torch.device) -> list[Callable[[], None]]:
-        """Capture each of ``steps`` (one per attention window) in a CUDA graph; the graphs share
-        one memory pool, as they never run at the same time and keep nothing between replays."""
-        # Warm up (and compile) on a side stream, then capture. The counters the warm-ups
-        # advance are reset by every generate() before the first replay.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for step in steps:
-                for _ in range(3):
-                    st.cur.zero_()
-                    st.step.zero_()
-                    step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graphs: list[torch.cuda.CUDAGraph] = []
-        for step in steps:
-            st.cur.zero_()
-            st.step.zero_()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
-                step()
-            graphs.append(graph)
-        return [g.replay for g in graphs]
 
     def clear(self) -> None:
         """Drop every graph and cache (e.g. after the model's parameters were replaced)."""

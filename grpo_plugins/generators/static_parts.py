@@ -1,5 +1,6 @@
 """A batch decoded as parts: one after another (``max_batch_rows``) or at once
-(``parallel_parts``), and what the static decoder keeps per part.
+(``parallel_parts``), and what the static decoder keeps per part: its window graphs (captured
+by :func:`capture_windows`) and its random state.
 
 At 64 rows a small model's decode step is mostly fixed per-kernel costs (launch, ramp, tail),
 so the GPU idles inside every step. Parts decoded at once replay their CUDA graphs on streams
@@ -36,6 +37,31 @@ class WindowGraphs:
                 replay()
                 return
         raise AssertionError(f"cache index {cur} beyond the last window {self.windows[-1]}")
+
+
+def capture_windows(st: DecodeState, steps: list[Callable[[], None]], device: torch.device) -> list[Callable[[], None]]:
+    """Capture each of ``steps`` (one per attention window) in a CUDA graph; the graphs share
+    one memory pool, as they never run at the same time and keep nothing between replays."""
+    # Warm up (and compile) on a side stream, then capture. The counters the warm-ups
+    # advance are reset by every generate() before the first replay.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for step in steps:
+            for _ in range(3):
+                st.cur.zero_()
+                st.step.zero_()
+                step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graphs: list[torch.cuda.CUDAGraph] = []
+    for step in steps:
+        st.cur.zero_()
+        st.step.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+            step()
+        graphs.append(graph)
+    return [g.replay for g in graphs]
 
 
 def join_parts(parts: list[tuple[torch.Tensor, ...]], pad_id: int) -> tuple[torch.Tensor, ...]:

@@ -108,7 +108,7 @@ class GRPOConfig(StrictModel):
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs (sync_ref_model).")
 
     # -- generation -----------------------------------------------------------------------------
-    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static on a CUDA device and transformers elsewhere (always transformers for a vision-language model).")
+    generator: str | ComponentRef | None = Field(None, description="Generation backend; None: vllm with fast_inference, else static (transformers for a vision-language model and with generation_kwargs; static itself falls back to transformers for a model it cannot run).")
     fast_inference: bool = Field(False, description="Use the vLLM backend (needs vllm installed).")
     environment: str | ComponentRef = Field(
         "single_turn",
@@ -395,8 +395,9 @@ class GRPOConfig(StrictModel):
     @property
     def resolved_generator(self) -> str | ComponentRef:
         """The generation backend as far as the config decides it: ``generator``, else vllm with
-        fast_inference, else transformers (the engine picks ``static`` instead on a CUDA device;
-        see :func:`grpo_plugins.generators.generator_ref`)."""
+        fast_inference, else transformers (the engine picks ``static`` instead unless the model is a
+        vision-language model or generation_kwargs are set; see
+        :func:`grpo_plugins.generators.generator_ref`)."""
         if self.generator is not None:
             return self.generator
         return "vllm" if self.fast_inference else "transformers"

@@ -245,9 +245,9 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
     policy = load_policy(cfg, acc, given.model, given.tokenizer)
     tokenizer, vision = policy.tokenizer, policy.processor is not None
     generator = build_generator(cfg, reg, policy.unwrapped, tokenizer, acc.device, vision=vision)
-    compiles = policy.compiled_layers is not None or generator_ref(
-        cfg, cuda=acc.device.type == "cuda", vision=vision
-    ).name == "static"
+    compiles = policy.compiled_layers is not None or (  # the static generator compiles on CUDA only
+        acc.device.type == "cuda" and generator_ref(cfg, vision=vision).name == "static"
+    )
     compile_cache = CompileCache(None)
     if compiles:
         compile_cache = CompileCache.for_run(policy.unwrapped, acc.device, _compile_settings(cfg, policy, generator))

@@ -87,7 +87,7 @@ def vision_problems(config: GRPOConfig, columns: list[str] | None, components: d
     if processor is not None:
         problems.append(processor)
     try:
-        ref = generator_ref(config, cuda=True, vision=True)
+        ref = generator_ref(config, vision=True)
     except GeneratorUnavailableError:
         ref = None  # reported as fast_inference's problem
     if ref is not None and ref.name != "transformers":

@@ -2,7 +2,7 @@
 (tests/test_reliability_kill.py, tests/test_fsdp.py).
 
 ``install_kill("micro:5")`` kills the process on the 5th training forward, ``"generate:2"`` on
-the 2nd call of the transformers generator, ``"checkpoint:1"`` while the 1st checkpoint is
+the 2nd generation (:func:`before_each_generation`), ``"checkpoint:1"`` while the 1st checkpoint is
 being written (when ``checkpoint_file`` is saved: a file written mid-checkpoint).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 
@@ -18,7 +19,6 @@ def install_kill(spec: str, checkpoint_file: str = "optimizer.pt") -> None:
     import torch
 
     import grpo_plugins.logprobs
-    from grpo_plugins.registry import get_registry
 
     point, n = spec.split(":")
     seen = [0]
@@ -29,14 +29,7 @@ def install_kill(spec: str, checkpoint_file: str = "optimizer.pt") -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     if point == "generate":
-        cls = get_registry().get("generator", "transformers").obj
-        original_generate = cls.generate
-
-        def generate(self: Any, prompt_ids: Any) -> Any:
-            reached()
-            return original_generate(self, prompt_ids)
-
-        cls.generate = generate
+        before_each_generation(reached)
     elif point == "micro":
         original_logps = grpo_plugins.logprobs.completion_logps
 
@@ -57,3 +50,25 @@ def install_kill(spec: str, checkpoint_file: str = "optimizer.pt") -> None:
         torch.save = save
     else:
         raise ValueError(f"unknown kill point {point!r}")
+
+
+def before_each_generation(hook: Callable[[], None], setattr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Call ``hook`` before each generation of a run, whichever built-in generator makes it
+    (``static``, the default, or ``transformers``); once where ``static`` hands a model it
+    cannot run to ``transformers``. ``setattr``: e.g. a monkeypatch's, to undo it after a test."""
+    from grpo_plugins.registry import get_registry
+
+    depth = [0]
+    for name in ("static", "transformers"):
+        cls = get_registry().get("generator", name).obj
+
+        def generate(self: Any, prompt_ids: Any, _original: Any = cls.generate) -> Any:
+            if depth[0] == 0:
+                hook()
+            depth[0] += 1
+            try:
+                return _original(self, prompt_ids)
+            finally:
+                depth[0] -= 1
+
+        setattr(cls, "generate", generate)

@@ -228,7 +228,9 @@ def test_registering_generators_imports_no_torch() -> None:
 
 
 def test_generator_selection_follows_fast_inference() -> None:
-    assert generator_ref(GRPOConfig()).name == "transformers"
+    assert generator_ref(GRPOConfig()).name == "static"
+    assert generator_ref(GRPOConfig(), vision=True).name == "transformers"  # only it takes images by default
+    assert generator_ref(GRPOConfig(generation_kwargs={"no_repeat_ngram_size": 3})).name == "transformers"
     assert generator_ref(GRPOConfig(generator={"name": "mine", "params": {"a": 1}})).params == {"a": 1}
     if vllm_available():
         assert generator_ref(GRPOConfig(fast_inference=True)).name == "vllm"

@@ -263,7 +263,9 @@ def test_drop_zero_std_refills_and_the_normaliser_counts_kept_tokens(tiny_model:
 
     monkeypatch.setattr(grpo_plugins.objective, "compute_loss", recording)
     reward = Recorder()
-    engine = Engine(_config(tiny_model, tmp_path / "out"), rewards=[reward], dataset=PROMPTS)
+    # One training pass (one compute_loss call) per micro-step: group_by_length would split a
+    # micro-step whose lengths differ into passes.
+    engine = Engine(_config(tiny_model, tmp_path / "out", group_by_length=False), rewards=[reward], dataset=PROMPTS)
     result = engine.train()
 
     cycles = _simulate(reward.calls, cycles=4, U=2, G=4, R=1)
@@ -355,20 +357,12 @@ def test_killed_in_a_refill_and_resumed_equals_an_uninterrupted_run(tiny_model: 
 
 if __name__ == "__main__":  # the training subprocess: CONFIG.json [--resume]
     from grpo_plugins.engine import Engine
-    from grpo_plugins.registry import get_registry
 
     if os.environ.get("GROUP_FILTER_KILL"):
-        kill_at, seen = int(os.environ["GROUP_FILTER_KILL"]), [0]
-        cls = get_registry().get("generator", "transformers").obj
-        original_generate = cls.generate
+        sys.path.insert(0, str(Path(__file__).parent))
+        from kill_points import install_kill
 
-        def generate(self: Any, prompt_ids: Any) -> Any:
-            seen[0] += 1
-            if seen[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original_generate(self, prompt_ids)
-
-        cls.generate = generate
+        install_kill(f"generate:{os.environ['GROUP_FILTER_KILL']}")
     config = json.loads(Path(sys.argv[1]).read_text())
     Engine(config, rewards=[spread], dataset=PROMPTS).train(resume=True if "--resume" in sys.argv[2:] else None)
 

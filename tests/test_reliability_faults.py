@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from grpo_plugins.kinds import LossType
 from grpo_plugins.metrics import read_metrics
 from grpo_plugins.models import load_model
 from grpo_plugins.registry import get_registry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kill_points import before_each_generation  # noqa: E402
 
 PROMPTS = [{"prompt": p} for p in ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]]
 
@@ -79,17 +83,14 @@ def _oom() -> torch.OutOfMemoryError:
 
 
 def _fail_generation_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
-    cls = get_registry().get("generator", "transformers").obj
-    original = cls.generate
     calls = [0]
 
-    def generate(self: Any, prompt_ids: Any) -> Any:
+    def count() -> None:
         calls[0] += 1
         if calls[0] == call:
             raise _oom()
-        return original(self, prompt_ids)
 
-    monkeypatch.setattr(cls, "generate", generate)
+    before_each_generation(count, monkeypatch.setattr)
 
 
 def _fail_training_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:

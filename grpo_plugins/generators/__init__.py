@@ -28,18 +28,18 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def generator_ref(config: GRPOConfig, *, cuda: bool = False, vision: bool = False) -> ComponentRef:
+def generator_ref(config: GRPOConfig, *, vision: bool = False) -> ComponentRef:
     """The generator a run uses: ``config.generator`` when set, else ``vllm`` with
-    ``fast_inference`` (which needs vLLM installed), else ``static`` on a CUDA device (measured
-    about 12x faster than ``model.generate``; see bench/RESULTS.md) and ``transformers``
-    elsewhere -- and for a vision-language model (``vision``), which only ``transformers``
-    generates for."""
+    ``fast_inference`` (which needs vLLM installed), else ``static`` (on a GPU about 12x faster
+    than ``model.generate``, on a 2-core CPU about 1.7x; see bench/RESULTS.md and
+    docs/quickstart.md) -- but ``transformers`` for a vision-language model (``vision``) and
+    with ``generation_kwargs``, which only it takes."""
     if config.generator is None and config.fast_inference and not vllm_available():
         raise GeneratorUnavailableError(
             "fast_inference: true selects the vllm generator, but vLLM is not installed here; "
             "install it (pip install 'grpo-plugins[vllm]', GPU only) or set fast_inference: false"
         )
-    if config.generator is None and not config.fast_inference and cuda and not vision:
+    if config.generator is None and not config.fast_inference and not vision and not config.generation_kwargs:
         return ComponentRef(name="static")
     ref = component_ref(config.resolved_generator)  # the config's own choice, in one place
     assert ref is not None
@@ -55,7 +55,7 @@ def build_generator(
     (``accepts_images``)."""
     from grpo_plugins.kinds import SamplingSettings
 
-    ref = generator_ref(config, cuda=getattr(device, "type", None) == "cuda", vision=vision)
+    ref = generator_ref(config, vision=vision)
     generator = registry.build("generator", ref.name, ref.params)
     if vision and not getattr(generator, "accepts_images", False):
         raise GRPOPluginsError(image_generator_problem(ref.name))

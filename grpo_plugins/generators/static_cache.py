@@ -11,7 +11,7 @@ copy with the adapters merged that is refreshed before each generation (equal up
 to the model's dtype), so it needs no weight sync and no sampler/trainer correction -- unless
 ``fp8`` decodes from float8 copies, whose mismatch the rollout correction then corrects. Models it cannot run (other architectures, sliding
 windows shorter than the sequence) fall back to the ``transformers`` generator with a warning,
-or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (tests). On a
+or raise when ``fallback: false``. On the CPU it runs the same loop eagerly (the default there too). On a
 bitsandbytes-quantised base the step is not compiled unless asked (see :func:`decode_flags`).
 """
 

@@ -31,7 +31,7 @@ def vllm_available() -> bool:
 def generator_ref(config: GRPOConfig, *, vision: bool = False) -> ComponentRef:
     """The generator a run uses: ``config.generator`` when set, else ``vllm`` with
     ``fast_inference`` (which needs vLLM installed), else ``static`` (on a GPU about 12x faster
-    than ``model.generate``, on a 2-core CPU about 1.7x; see bench/RESULTS.md and
+    than ``model.generate``, on a 2-core CPU about 1.6x; see bench/RESULTS.md and
     docs/quickstart.md) -- but ``transformers`` for a vision-language model (``vision``) and
     with ``generation_kwargs``, which only it takes."""
     if config.generator is None and config.fast_inference and not vllm_available():

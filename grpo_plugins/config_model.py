@@ -123,7 +123,7 @@ class GRPOConfig(StrictModel):
     max_prompt_length: int | None = Field(512, ge=1, description="Most prompt tokens (see prompt_truncation); None: no limit.")
     prompt_truncation: Literal["error", "left"] = Field("error", description="Prompts over max_prompt_length: reject, or keep the last tokens.")
     generation_kwargs: dict[str, Any] | None = Field(
-        None, description="More sampling arguments for the generator (transformers: GenerationConfig; vllm: SamplingParams); they override the ones above. Not with the static generator."
+        None, description="More sampling arguments for the generator (transformers: GenerationConfig; vllm: SamplingParams); they override the ones above. Not with the static generator: with them the default generator is transformers."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Keyword arguments for the tokenizer's apply_chat_template on chat prompts (e.g. {enable_thinking: false})."

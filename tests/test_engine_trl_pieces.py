@@ -150,14 +150,17 @@ def test_chat_template_kwargs_reach_apply_chat_template():
     assert tok.kwargs == {"enable_thinking": False}
 
 
-def test_generation_kwargs_reach_the_transformers_generator_and_are_refused_by_static(tiny_model: dict):
+def test_generation_kwargs_reach_the_transformers_generator_and_are_refused_by_static(tiny_model: dict, caplog):
     from grpo_plugins.errors import GRPOPluginsError
     from grpo_plugins.generators import build_generator
     from grpo_plugins.registry import get_registry
 
     model, tok = load_model(tiny_model, dtype="float32", seed=0)
     config = load_config({"model": tiny_model, "generation_kwargs": {"suppress_tokens": [5], "top_p": 0.9}})
-    gen = build_generator(config, get_registry(), model, tok, torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="grpo_plugins.generators"):
+        gen = build_generator(config, get_registry(), model, tok, torch.device("cpu"))
+    assert type(gen).__name__ == "TransformersGenerator"  # the default, static, takes no generation_kwargs
+    assert "generates with 'transformers'" in caplog.text
     assert gen.generation_config(model).suppress_tokens == [5]
     assert gen.sampling.top_p == 0.9  # moved to its own key, so the sampling log-probs know it
     static = load_config({"model": tiny_model, "generator": "static", "generation_kwargs": {"suppress_tokens": [5]}})

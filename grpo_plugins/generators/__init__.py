@@ -8,6 +8,7 @@ loads plugins, and ``grpo-plugins validate`` must start fast.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.config import ComponentRef, GRPOConfig, component_ref
@@ -17,6 +18,8 @@ from grpo_plugins.hookspecs import hookimpl
 if TYPE_CHECKING:
     from grpo_plugins.kinds import Generator
     from grpo_plugins.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 
 class GeneratorUnavailableError(GRPOPluginsError):
@@ -56,6 +59,11 @@ def build_generator(
     from grpo_plugins.kinds import SamplingSettings
 
     ref = generator_ref(config, vision=vision)
+    if config.generator is None and not config.fast_inference and not vision and config.generation_kwargs:
+        logger.warning(
+            "generation_kwargs are set, so this run generates with 'transformers' (model.generate) "
+            "instead of the faster 'static' generator, which takes none; drop them for speed"
+        )
     generator = registry.build("generator", ref.name, ref.params)
     if vision and not getattr(generator, "accepts_images", False):
         raise GRPOPluginsError(image_generator_problem(ref.name))

@@ -40,9 +40,11 @@ def summarise(history: list[dict[str, Any]], window: int) -> dict[str, Any]:
     steps = [h.get("timing/step", float("nan")) for h in history]
     reward_keys = sorted({k for h in history for k in h if k.startswith("rewards/") and k.endswith("/mean")})
     graphs = [h.get("compile/graphs", 0.0) for h in history]
+    phases = {p: [h[f"timing/{p}"] for h in history if f"timing/{p}" in h] for p in ("generate", "train")}
     return {
         "steps": len(history),
         "step_s_median": statistics.median(steps) if steps else None,
+        **{f"{p}_s_median": statistics.median(v) if v else None for p, v in phases.items()},
         "step_s_median_after_5": statistics.median(steps[5:]) if len(steps) > 5 else None,
         "first_steps_s": steps[:5],
         "compile_seconds": history[-1].get("compile/seconds") if history else None,

@@ -1,16 +1,16 @@
-"""GPU check of the static generator's ``parallel_parts`` (parts of a batch decoded at once on
-CUDA streams of their own, each with its own graphs, cache and random state):
+"""GPU check of the static generator's ``parallel_parts`` (parts of a batch decoded at once as
+parallel branches of one CUDA graph per step, each part with its own KV cache):
 
 * greedy decoding (top-k 1) with 2 and 4 parts at once gives the same tokens as the same parts
   decoded one after another (``max_batch_rows``: the same shapes, so the same kernels);
-* sampling: parts given the same prompts sample different tokens (their random states are their
-  own), and the same torch seed gives the same tokens again (a run's seed fixes the samples),
-  also where a group's last part decodes alone;
+* sampling: parts given the same prompts sample different tokens (each random kernel of the
+  graph has its own offset), and the same torch seed gives the same tokens again (a run's seed
+  fixes the samples), also where a group's last part decodes alone;
 * the time of a generation with 1, 2 and 4 parts (``--tokens`` each, EOS ignored).
 
     python bench/check_parallel_parts.py --shape qwen2.5-0.5b --tokens 256 --out $OUT/parallel_parts.json
 
-Exits 1 where a check fails.
+Exits 1 where a check fails. Prints each stage as it starts, so that a hang shows where.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ def main() -> None:
     record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "device": torch.cuda.get_device_name()}
     failed: list[str] = []
 
+    def stage(name: str) -> None:
+        print(f"{time.perf_counter() - t0:7.1f} s  {name}", flush=True)
+
+    t0 = time.perf_counter()
     for n in (2, 4):  # parts at once against the same parts one after another (same shapes, same kernels)
+        stage(f"greedy, {n} parts at once and one after another")
         together = _decoder(model, 32, n, top_k=1).generate(prompts)[0]
         serial = _decoder(model, 32, 1, top_k=1, max_batch_rows=-(-args.rows // n)).generate(prompts)[0]
         equal = bool(torch.equal(together, serial))
@@ -66,6 +71,7 @@ def main() -> None:
         if not equal:
             failed.append(f"greedy tokens with {n} parts at once differ from the same parts one after another")
 
+    stage("sampling, 2 parts, twice from one seed")
     sampler = _decoder(model, 32, 2, temperature=1.0)
     torch.manual_seed(0)
     first = sampler.generate(same)[0]
@@ -80,6 +86,7 @@ def main() -> None:
     if not record["same_seed_same_tokens"]:
         failed.append("the same seed gave other tokens")
     # Three parts of rows // 4 in groups of two: the last group is one part on its own state.
+    stage("sampling, a lone last part, twice from one seed")
     lone = _decoder(model, 32, 2, temperature=1.0, max_batch_rows=args.rows // 4)
     draws = []
     for _ in range(2):
@@ -90,15 +97,16 @@ def main() -> None:
         failed.append("a lone last part gave other tokens for the same seed")
 
     for n in (1, 2, 4):
+        stage(f"timing {n} part(s)")
         dec = _decoder(model, args.tokens, n, temperature=1.0)
         dec.generate(prompts)  # compile and capture
         times = []
         for _ in range(3):
             sync()
-            t0 = time.perf_counter()
+            started = time.perf_counter()
             dec.generate(prompts)
             sync()
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - started)
         record[f"ms_per_token_{n}_parts"] = 1000 * sorted(times)[1] / args.tokens
         print(f"{n} part(s): {record[f'ms_per_token_{n}_parts']:.3f} ms per token", flush=True)
         del dec

@@ -235,12 +235,13 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if DEVICE == "cuda":
         graph = next(iter(dec._graphs.values()))
-        st = graph.state
+        st = graph.states[0]  # (with parallel parts a replay steps every part; the no-graph step below is part 0's)
         P = st.k_cache[0].shape[2] - args.tokens  # the prompt bucket
 
         def rewind() -> None:  # keep the cache index and output column inside the buffers
-            st.cur.fill_(P)
-            st.step.fill_(1)
+            for part in graph.states:
+                part.cur.fill_(P)
+                part.step.fill_(1)
 
         assert args.profile_steps + 5 < args.tokens, "--profile-steps must stay below --tokens"
         rewind()

@@ -313,9 +313,9 @@ def static_parts(engine: Any) -> dict[str, float]:
     decoder = getattr(engine.generator, "_decoder", None)
     cache: list[torch.Tensor] = []
     for graph in getattr(decoder, "_graphs", {}).values():
-        st = graph.state
-        cache += list(st.k_cache) + list(st.v_cache)
-        cache += [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
+        for st in graph.states:
+            cache += list(st.k_cache) + list(st.v_cache)
+            cache += [t for t in vars(st).values() if isinstance(t, torch.Tensor)]
     return {
         "frozen_weights_gib": gib(tensor_bytes(frozen)),
         "quant_state_gib": gib(tensor_bytes(_quant_state_tensors(model))),

@@ -1,17 +1,21 @@
-"""The static decoder's ``parallel_parts``: a batch decoded as parts at once (on a CPU their steps
-interleaved on one stream) gives what one batch gives, each part in its own cache; a part whose
-rows have all finished stops replaying; the settings it cannot be combined with are refused."""
+"""The static decoder's ``parallel_parts``: a batch decoded as parts at once (branches of one CUDA
+graph per step; on a CPU the parts' steps in turn) gives what one batch gives, each part in its
+own cache; the loop stops once every part's rows have finished; the settings it cannot be
+combined with are refused."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.generators.static_decode import StaticDecoder
-from grpo_plugins.generators.static_parts import decode_together
+from grpo_plugins.generators import static_parts
+from grpo_plugins.generators.static_parts import WindowGraphs, decode_windows
 from grpo_plugins.kinds import SamplingSettings
 from grpo_plugins.models import load_model
 
@@ -49,7 +53,7 @@ def test_parts_at_once_with_a_row_limit_go_in_groups(llama: tuple) -> None:
     decoder = StaticDecoder(model, greedy, [2], 0, parallel_parts=2, max_batch_rows=1)
     together = decoder.generate(PROMPTS)
     assert torch.equal(whole[0], together[0])
-    assert sorted({key[-1] for key in decoder._graphs}) == [0, 1]  # two parts' graphs, reused by every group
+    assert [key[-1] for key in decoder._graphs] == [2]  # one bucket of two parts, reused by every group
 
 
 @dataclass
@@ -57,40 +61,78 @@ class _State:
     done: torch.Tensor
 
 
-@dataclass
-class _Part:
-    """A stand-in for a part's graphs: records the cache index of each replay; its rows finish
-    at ``finish_at``."""
+def _finishing(states: list[_State], finish_at: list[int], log: list[int]) -> WindowGraphs:
+    """Graphs over ``states`` that record each replay's cache index; part ``i``'s rows finish
+    once cache index ``finish_at[i] - 1`` has been fed."""
 
-    name: str
-    finish_at: int
-    log: list[tuple[str, int]]
-    state: _State = field(default_factory=lambda: _State(torch.tensor([False, False])))
+    def replay_at(cur: int) -> None:
+        log.append(cur)
+        for st, at in zip(states, finish_at):
+            if cur + 1 >= at:
+                st.done.fill_(True)
 
-    def replay(self, cur: int) -> None:
-        self.log.append((self.name, cur))
-        if cur + 1 >= self.finish_at:
-            self.state.done.fill_(True)
-
-
-def test_parts_take_turns_and_a_finished_part_stops() -> None:
-    log: list[tuple[str, int]] = []
-    early, late = _Part("early", 13, log), _Part("late", 100, log)
-    steps = decode_together([early, late], [10, 20], T=9, streams=None, check_every=2, stop_at_eos=True)  # type: ignore[list-item]
-    assert steps == 9
-    assert log[:4] == [("early", 10), ("late", 20), ("early", 11), ("late", 21)]  # in turn, each from its own start
-    assert [cur for name, cur in log if name == "early"] == [10, 11, 12]  # done at cache index 12, seen at step 4's check
-    assert [cur for name, cur in log if name == "late"] == list(range(20, 28))  # T - 1 replays
+    graphs = WindowGraphs(states, [1000], [lambda: None])  # type: ignore[arg-type]
+    graphs.replay = replay_at  # type: ignore[method-assign]
+    return graphs
 
 
-def test_all_parts_finished_ends_the_loop() -> None:
-    log: list[tuple[str, int]] = []
-    parts = [_Part("a", 3, log), _Part("b", 2, log)]
-    assert decode_together(parts, [0, 0], T=50, streams=None, check_every=4, stop_at_eos=True) == 4  # type: ignore[arg-type]
-    assert len(log) == 6
-    log.clear()
-    parts = [_Part("a", 3, log), _Part("b", 2, log)]
-    assert decode_together(parts, [0, 0], T=50, streams=None, check_every=4, stop_at_eos=False) == 50  # type: ignore[arg-type]
+def test_the_loop_stops_once_every_part_has_finished() -> None:
+    log: list[int] = []
+    states = [_State(torch.tensor([False, False])), _State(torch.tensor([False]))]
+    steps = decode_windows(_finishing(states, [13, 16], log), 10, T=50, check_every=2, stop_at_eos=True)
+    # part 0 finished with cache index 12 (the replay at step 3), part 1 with 15 (step 7): the
+    # checks at steps 4 and 6 find part 1 still running, the one at step 8 ends the loop
+    assert steps == 8 and log == list(range(10, 17))
+
+
+def test_without_eos_stops_the_loop_runs_to_the_end() -> None:
+    log: list[int] = []
+    states = [_State(torch.tensor([False])), _State(torch.tensor([False]))]
+    assert decode_windows(_finishing(states, [2, 3], log), 0, T=9, check_every=2, stop_at_eos=False) == 9
+    assert log == list(range(8))  # T - 1 replays, the first token came from the prefill
+
+
+class _Stream:
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.events.append(f"{self.name} waits for {other.name}")
+
+
+def test_parts_are_branches_forked_from_the_capturing_stream_and_joined_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    current = [_Stream("main", events)]
+
+    @contextlib.contextmanager
+    def on(stream: _Stream) -> Iterator[None]:
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(static_parts.torch.cuda, "current_stream", lambda *a: current[-1])
+    monkeypatch.setattr(static_parts.torch.cuda, "stream", on)
+    steps = [lambda i=i: events.append(f"part {i} on {current[-1].name}") for i in range(3)]
+    static_parts._branches(steps, [_Stream("fork1", events), _Stream("fork2", events)])  # type: ignore[list-item]
+    assert events == [
+        "fork1 waits for main", "part 1 on fork1",
+        "fork2 waits for main", "part 2 on fork2",
+        "part 0 on main",
+        "main waits for fork1", "main waits for fork2",
+    ]
+
+
+def test_sampled_parts_draw_apart_and_a_seed_fixes_them(llama: tuple) -> None:
+    model, _ = llama
+    sampling = SamplingSettings(max_completion_length=6, temperature=1.0)
+    decoder = StaticDecoder(model, sampling, [], 0, parallel_parts=2)
+    same = [[1, 5, 6, 7]] * 4
+    torch.manual_seed(0)
+    first = decoder.generate(same)[0]
+    torch.manual_seed(0)
+    again = decoder.generate(same)[0]
+    assert torch.equal(first, again)
+    assert not torch.equal(first[:2], first[2:])  # the two parts' rows did not draw the same numbers
 
 
 def test_settings_parallel_parts_cannot_take(llama: tuple) -> None:
@@ -111,53 +153,3 @@ def test_the_static_generator_passes_the_setting_on(llama: tuple) -> None:
     assert params.parallel_parts == 3
     with pytest.raises(Exception, match="parallel_parts"):
         component.validate_params({"parallel_parts": 0})
-
-
-class _FakeState:
-    def __init__(self, name: str) -> None:
-        self.name, self.seed = name, None
-
-    def manual_seed(self, seed: int) -> None:
-        self.seed = seed
-
-
-class _FakeGenerator:
-    """The graph-safe state calls of a CUDA generator (a CPU generator has none of them)."""
-
-    def __init__(self) -> None:
-        self.current = _FakeState("default")
-        self.clones = 0
-
-    def clone_state(self) -> _FakeState:
-        self.clones += 1
-        return _FakeState(f"clone{self.clones}")
-
-    def graphsafe_get_state(self) -> _FakeState:
-        return self.current
-
-    def graphsafe_set_state(self, state: _FakeState) -> None:
-        self.current = state
-
-
-def test_each_part_captures_with_its_own_state_reseeded_from_the_cpu_generator(monkeypatch: pytest.MonkeyPatch) -> None:
-    from grpo_plugins.generators.static_parts import PartRandomStates
-
-    gen = _FakeGenerator()
-    monkeypatch.setattr(PartRandomStates, "_default", staticmethod(lambda device: gen))
-    states, device = PartRandomStates(), torch.device("cuda", 0)
-    seen = []
-    for part in (0, 1, 0):
-        with states.capturing(device, part):
-            seen.append(gen.current.name)
-        assert gen.current.name == "default"  # restored after the capture
-    assert seen == ["clone1", "clone2", "clone1"] and gen.clones == 2  # one state per part, kept
-    with pytest.raises(RuntimeError), states.capturing(device, 1):
-        raise RuntimeError("capture failed")
-    assert gen.current.name == "default"  # restored on an error too
-    torch.manual_seed(3)
-    states.reseed(device, 2)
-    first = [states._states[(device, p)].seed for p in (0, 1)]
-    torch.manual_seed(3)
-    states.reseed(device, 2)
-    assert first == [states._states[(device, p)].seed for p in (0, 1)]  # the run's seed fixes them
-    assert first[0] != first[1]

@@ -98,7 +98,7 @@ class StaticCacheGenerator(Generator):
         parallel_parts: int = Field(
             1,
             ge=1,
-            description="Decode the batch as this many parts at once, each with its own CUDA graphs, KV cache and random state, replayed on a CUDA stream of its own (one part's kernels run in the gaps of another's; each part reads the weights once per step). Meant for small models whose decode step is mostly fixed per-kernel costs. Not with persistent_layers. Not yet measured as a setting; bench/decode_streams.py measures the idea. 1: the batch as one.",
+            description="Decode the batch as this many parts at once: each part has its own KV cache, and a decode step is one CUDA graph holding the parts as parallel branches (one part's kernels run in the gaps of another's; each part reads the weights once per step). Meant for small models whose decode step is mostly fixed per-kernel costs. Not with persistent_layers. Experimental: the first GPU run of an earlier form (a graph per part, replayed on streams of their own) hung at the first generation; this form has run only on a CPU (bench/check_parallel_parts.py checks it on a GPU). 1: the batch as one.",
         )
 
     samples_from_policy = True

@@ -21,7 +21,6 @@ This module runs the loop (:class:`StaticDecoder`); the model's parts and merged
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -50,13 +49,7 @@ from grpo_plugins.generators.persistent_layer import (
     persistent_decode_layer,
     use_persistent_layers,
 )
-from grpo_plugins.generators.static_parts import (
-    PartRandomStates,
-    WindowGraphs,
-    capture_windows,
-    decode_together,
-    join_parts,
-)
+from grpo_plugins.generators.static_parts import WindowGraphs, capture_windows, decode_windows, in_turn, join_parts
 from grpo_plugins.generators.static_steps import (
     DecodeState,
     attention_windows,
@@ -130,8 +123,8 @@ class StaticDecoder:
             ``generate``.
         max_batch_rows: decode at most this many rows at a time (None: all at once); a longer
             batch is decoded in consecutive parts, so the KV cache holds this many rows.
-        parallel_parts: decode the batch as this many parts at once, each with its own graphs,
-            KV cache and random state, on a CUDA stream of its own
+        parallel_parts: decode the batch as this many parts at once, each with its own KV cache,
+            as parallel branches of one CUDA graph per step
             (:mod:`~grpo_plugins.generators.static_parts`); 1: the batch as one.
         window_step: cache slots added from one attention window to the next (one captured
             graph per window, at most 16 per bucket).
@@ -183,7 +176,6 @@ class StaticDecoder:
             )
         self.model = model
         self.parallel_parts = parallel_parts
-        self._random = PartRandomStates()
         self.window_step = window_step
         self.max_batch_rows = max_batch_rows
         self.parts = check_supported(model)
@@ -199,7 +191,6 @@ class StaticDecoder:
         self.release_cache = release_cache
         self.compile_backend = compile_backend
         self._graphs: dict[tuple[int, ...], WindowGraphs] = {}
-        self._streams: list[torch.cuda.Stream] = []
         self._weights_key: tuple[int, ...] = ()
         self._compiled_step: Callable[..., None] | None = None
         self._persistent_step: Callable[..., None] | None = None
@@ -252,28 +243,32 @@ class StaticDecoder:
         return self._persistent_step
 
     def _graph(
-        self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype, part: int = 0
+        self, parts: DecoderParts, B: int, P: int, T: int, device: torch.device, dtype: torch.dtype, count: int = 1
     ) -> WindowGraphs:
-        key = (B, P, T, part)
+        """The graphs (and caches) of ``count`` parts of ``B`` rows decoded at once."""
+        key = (B, P, T, count)
         if key in self._graphs:
             self._graphs[key] = self._graphs.pop(key)  # most recently used last
             return self._graphs[key]
-        while len(self._graphs) >= self.max_graphs * self.parallel_parts:
+        while len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
-        st = DecodeState.allocate(
-            parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
-        )
-        st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
+        states = []
+        for _ in range(count):
+            st = DecodeState.allocate(
+                parts, B, P + T, T, len(self.eos_ids), self.sampling.repetition_penalty != 1.0, dtype, device
+            )
+            st.eos.copy_(torch.tensor(self.eos_ids, dtype=torch.long))
+            states.append(st)
         step = self._persistent_step_fn() if use_persistent_layers(parts, B, self.persistent_layers) else self._step_fn()
-        args = (parts, st, self.sampling, self.pad_id, self.stop_at_eos)
         windows = attention_windows(P, T, self.window_step)
-        eager = [functools.partial(step, *args, window=w) for w in windows]
-        entry = WindowGraphs(st, windows, eager)
+        steps = [
+            [functools.partial(step, parts, st, self.sampling, self.pad_id, self.stop_at_eos, window=w) for st in states]
+            for w in windows
+        ]
+        entry = WindowGraphs(states, windows, [in_turn(window_steps) for window_steps in steps])
         if device.type == "cuda" and self.cuda_graph:
-            own_state = self._random.capturing(device, part) if self.parallel_parts > 1 else contextlib.nullcontext()
             try:
-                with own_state:
-                    entry = WindowGraphs(st, windows, capture_windows(st, eager, device))
+                entry = WindowGraphs(states, windows, capture_windows(states, steps, device))
             except RuntimeError as exc:  # e.g. a quantised layer's kernel that cannot be captured
                 logger.warning(
                     "generator 'static': capturing the decode step in a CUDA graph failed (%s); decoding "
@@ -333,41 +328,14 @@ class StaticDecoder:
 
     def _sample(self, group: list[list[list[int]]], longest: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
         """Decode the parts of ``group`` at once (each at most ``rows`` prompts, none longer than
-        ``longest`` tokens), part ``i`` in the graphs and cache for (rows, longest, part ``i``)."""
+        ``longest`` tokens) in the graphs and caches for (rows, longest, parts)."""
         key = self._param_key()
         if key != self._weights_key:  # parameters re-allocated: captured addresses are stale
             self.clear()
             self._weights_key = key
         device = self.parts.embed.weight.device
-        parts = self._decode_parts()
-        was_training = self.model.training
-        self.model.eval()  # no dropout (LoRA) while sampling
-        try:
-            begun = [self._begin(parts, prompts, longest, rows, i) for i, prompts in enumerate(group)]
-            streams = None
-            if self.parallel_parts > 1 and device.type == "cuda":  # a lone last part too: its graphs use its state
-                self._random.reseed(device, len(group))
-                while len(self._streams) < len(group):
-                    self._streams.append(torch.cuda.Stream(device))
-                streams = self._streams[: len(group)]
-            steps = decode_together(
-                [b[0] for b in begun], [b[2] for b in begun], self.sampling.max_completion_length, streams,
-                self.check_every, self.stop_at_eos,
-            )
-        finally:
-            self.model.train(was_training)
-        if device.type == "cuda":
-            check_barriers(device)
-        return [self._end(graph.state, n, steps) for graph, n, _ in begun]
-
-    def _begin(
-        self, parts: DecoderParts, prompt_ids: list[list[int]], longest: int, rows: int, part: int
-    ) -> tuple[WindowGraphs, int, int]:
-        """Part ``part``'s graphs, its prompts prefilled and its first tokens sampled: ready for
-        the decode steps. Returns the graphs, the part's prompt count and its prompt bucket."""
-        device = self.parts.embed.weight.device
         dtype = self.parts.embed.weight.dtype
-        n, T = len(prompt_ids), self.sampling.max_completion_length
+        T = self.sampling.max_completion_length
         P = bucket(longest, self.prompt_multiple)
         B = batch_bucket(rows) if device.type == "cuda" else rows
         window = self.parts.sliding_window
@@ -376,9 +344,25 @@ class StaticDecoder:
                 f"generator 'static': prompt + completion ({P + T} tokens) exceed the model's "
                 f"sliding window ({window}); use generator: transformers"
             )
-        graph = self._graph(parts, B, P, T, device, dtype, part)
-        st = graph.state
+        parts = self._decode_parts()
+        was_training = self.model.training
+        self.model.eval()  # no dropout (LoRA) while sampling
+        try:
+            graphs = self._graph(parts, B, P, T, device, dtype, len(group))
+            counts = [self._begin(parts, st, prompts, P) for st, prompts in zip(graphs.states, group)]
+            steps = decode_windows(graphs, P, T, self.check_every, self.stop_at_eos)
+        finally:
+            self.model.train(was_training)
+        if device.type == "cuda":
+            check_barriers(device)
+        return [self._end(st, n, steps) for st, n in zip(graphs.states, counts)]
 
+    def _begin(self, parts: DecoderParts, st: DecodeState, prompt_ids: list[list[int]], P: int) -> int:
+        """Prefill ``prompt_ids`` (left-padded to ``P``) into ``st`` and sample their first
+        tokens: ready for the decode steps. Returns the prompt count."""
+        device = self.parts.embed.weight.device
+        dtype = self.parts.embed.weight.dtype
+        n, B = len(prompt_ids), st.done.shape[0]
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         valid = torch.zeros(B, P, dtype=torch.bool)
         for row, p in enumerate(prompt_ids):
@@ -415,7 +399,7 @@ class StaticDecoder:
         st.position.copy_(start)
         st.cur.fill_(P)
         st.step.fill_(1)
-        return graph, n, P
+        return n
 
     def _end(self, st: DecodeState, n: int, steps: int) -> tuple[torch.Tensor, ...]:
         """The first ``n`` rows' completions after ``steps`` tokens, cut at EOS."""

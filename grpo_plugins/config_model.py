@@ -183,10 +183,9 @@ class GRPOConfig(StrictModel):
         ge=1,
         description="Rows per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. Less activation memory; None: the whole micro-batch at once.",
     )
-    train_pass_tokens: int | None = Field(
-        None,
-        ge=2,
-        description="At most this many tokens (rows x the pass's padded length) per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. With group_by_length a pass of short completions holds more rows than one of long ones, so it bounds activation memory where train_chunk_rows would bound rows (e.g. 8192 for a 7B model without gradient checkpointing on an H200). A row longer than it still gets a pass. None: no limit.",
+    train_pass_tokens: int | Literal["auto"] | None = Field(
+        "auto",
+        description="At most this many tokens (rows x the pass's padded length) per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. With group_by_length a pass of short completions holds more rows than one of long ones, so it bounds activation memory where train_chunk_rows would bound rows (e.g. 8192 for a 7B model without gradient checkpointing on an H200). A row longer than it still gets a pass. auto: on CUDA, sized once at the first pass from the device memory left and the model's activations per token (with and without gradient_checkpointing), so a micro-batch that would not fit is split instead of running out of memory; no limit on a CPU. None: no limit.",
     )
     group_by_length: bool = Field(
         True,

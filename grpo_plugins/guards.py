@@ -130,7 +130,7 @@ def out_of_memory_advice(config: GRPOConfig, phase: str, generator_advice: Seque
     advice = [chunk_rows] if suggestion < c.per_device_train_batch_size else []
     if phase == "training":
         tokens = c.train_pass_tokens
-        pass_tokens = (tokens // 2) if tokens else 8192
+        pass_tokens = (tokens // 2) if isinstance(tokens, int) else 8192
         advice.append(
             f"train_pass_tokens ({tokens}; e.g. {pass_tokens}: at most that many rows x tokens per forward+backward, same results)"
         )

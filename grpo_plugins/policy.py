@@ -34,7 +34,9 @@ class Policy:
         min_pass_tokens: the tokens below which a forward+backward pass costs no less
             (:func:`host_bound_tokens`); the pass planner does not split below it.
         max_pass_tokens: the most tokens (rows x padded length) one pass may hold
-            (``train_pass_tokens``), or None.
+            (``train_pass_tokens``), or None; see :meth:`pass_tokens`.
+        pass_budget: sizes that number on first use instead (``train_pass_tokens: auto``;
+            :class:`~grpo_plugins.pass_budget.PassBudget`), or None.
     """
 
     model: Any
@@ -47,6 +49,13 @@ class Policy:
     images: Callable[[Sequence[int]], list[MultimodalInputs | None]] | None = None
     min_pass_tokens: int = 0
     max_pass_tokens: int | None = None
+    pass_budget: Callable[[], int | None] | None = None
+
+    def pass_tokens(self) -> int | None:
+        """The most tokens one pass may hold (the same number for the whole run), or None."""
+        if self.pass_budget is not None:
+            self.max_pass_tokens, self.pass_budget = self.pass_budget(), None
+        return self.max_pass_tokens
 
     def image_inputs(self, prompt_index: Sequence[int], ids: Tensor, t: int) -> dict[str, Tensor]:
         """The image inputs of a pass over rows of prompts ``prompt_index`` (``ids`` (B, P+t));

@@ -335,7 +335,7 @@ class RolloutMaker:
                 passes = plan_passes(
                     rollout.input_ids[step.rows], rollout.attention_mask[step.rows], T, self.policy.multiple,
                     cfg.train_chunk_rows, split=groups_by_length(cfg), min_pass_tokens=self.policy.min_pass_tokens,
-                    max_pass_tokens=self.policy.max_pass_tokens,
+                    max_pass_tokens=self.policy.pass_tokens(),
                 )
                 rows = out[step.rows]  # (B, T) view
                 sources = rollout.input_prompts()[step.rows]

@@ -31,6 +31,7 @@ from grpo_plugins.generators import build_generator, generator_ref
 from grpo_plugins.guards import RunGuard
 from grpo_plugins.image_prompts import ImagePromptEncoder
 from grpo_plugins.objective import Objective
+from grpo_plugins.pass_budget import PassBudget
 from grpo_plugins.policy import Policy, host_bound_tokens
 from grpo_plugins.precision import MasterWeights
 from grpo_plugins.prompts import PromptSource, PromptStream
@@ -271,8 +272,14 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
         policy.model, policy.unwrapped, policy.ref_model, policy.is_peft, functools.partial(training_passes, compiled),
         compiled.chunk_logps if compiled is not None else None,
         multiple=math.lcm(8 if compiled is not None else 1, cfg.pad_to_multiple_of or 1),
-        min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device), max_pass_tokens=cfg.train_pass_tokens,
+        min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device),
+        max_pass_tokens=cfg.train_pass_tokens if cfg.train_pass_tokens != "auto" else None,
     )
+    if cfg.train_pass_tokens == "auto":
+        trained.pass_budget = PassBudget(
+            policy.unwrapped, policy.trainable, policy.optimizer, acc.device, cfg.gradient_checkpointing,
+            offload=cfg.activation_offload, compiled=compiled is not None,
+        ).tokens
     prompts = PromptSource(
         dataset, prompt_column, environment, PromptStream(len(dataset), cfg.seed, cfg.shuffle_dataset),
         cfg.max_prompt_length, cfg.prompt_truncation, images,

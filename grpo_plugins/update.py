@@ -137,7 +137,7 @@ class PolicyUpdate:
         passes = plan_passes(
             rollout.input_ids[r], rollout.attention_mask[r], rollout.loss_mask.shape[1], policy.multiple,
             cfg.train_chunk_rows, split=groups_by_length(cfg), min_pass_tokens=policy.min_pass_tokens,
-            max_pass_tokens=policy.max_pass_tokens,
+            max_pass_tokens=policy.pass_tokens(),
         )
         t, chunks = passes.t, passes.chunks
         sources = rollout.input_prompts()[r]

@@ -375,7 +375,16 @@ def _child(queue: Any, *run: Any) -> None:
         import signal
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _show_run_notes()
     queue.put(_run_one(*run))
+
+
+def _show_run_notes() -> None:
+    """The Engine's INFO notes on stderr (e.g. what train_pass_tokens: auto picked)."""
+    import logging
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("grpo_plugins").setLevel(logging.INFO)
 
 
 def _run_in_child(*run: Any) -> dict[str, Any]:
@@ -425,6 +434,7 @@ def main() -> None:
     args = parser.parse_args()
     import json
 
+    _show_run_notes()
     main_process = int(os.environ.get("RANK", "0")) == 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if set(args.frameworks) != {"ours"}:

@@ -185,7 +185,7 @@ class GRPOConfig(StrictModel):
     )
     train_pass_tokens: int | Literal["auto"] | None = Field(
         "auto",
-        description="At most this many tokens (rows x the pass's padded length) per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. With group_by_length a pass of short completions holds more rows than one of long ones, so it bounds activation memory where train_chunk_rows would bound rows (e.g. 8192 for a 7B model without gradient checkpointing on an H200). A row longer than it still gets a pass. auto: on CUDA, sized once at the first pass from the device memory left and the model's activations per token (with and without gradient_checkpointing), so a micro-batch that would not fit is split instead of running out of memory; no limit on a CPU. None: no limit.",
+        description="At most this many tokens (rows x the pass's padded length) per forward+backward inside a micro-step (and per old/reference log-prob forward); the gradient equals the whole micro-batch's. With group_by_length a pass of short completions holds more rows than one of long ones, so it bounds activation memory where train_chunk_rows would bound rows (e.g. 8192 for a 7B model without gradient checkpointing on an H200). A row longer than it still gets a pass. auto: on CUDA, sized once at the first pass from the device memory left and the model's activations per token (with and without gradient_checkpointing), so a micro-batch that would not fit is split instead of running out of memory; no limit on a CPU and with fsdp. None: no limit. Not a number with fsdp (every process must make the same passes).",
     )
     group_by_length: bool = Field(
         True,
@@ -312,6 +312,8 @@ class GRPOConfig(StrictModel):
             ("dtype", self.dtype == "float16", "FSDP does not support float16's gradient scaler here; use bfloat16 (or float32)"),
             ("cast_lm_head_to_fp32", self.cast_lm_head_to_fp32, "the sharded root (embeddings, LM head) is gathered in one dtype; remove cast_lm_head_to_fp32"),
             ("compile_layers", self.compile_layers is True, "compile_layers is not supported with fsdp yet; remove it (the default is off under fsdp)"),
+            ("train_pass_tokens", isinstance(self.train_pass_tokens, int),
+             "every process must make the same passes, and a token bound splits each process's rows by its own longest; bound the passes with train_chunk_rows instead"),
         ]
         generator = component_ref(self.resolved_generator)
         refusals.append(

@@ -275,7 +275,7 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
         min_pass_tokens=host_bound_tokens(policy.unwrapped, acc.device),
         max_pass_tokens=cfg.train_pass_tokens if cfg.train_pass_tokens != "auto" else None,
     )
-    if cfg.train_pass_tokens == "auto":
+    if cfg.train_pass_tokens == "auto" and cfg.fsdp is None:  # fsdp: every process the same passes (by rows)
         trained.pass_budget = PassBudget(
             policy.unwrapped, policy.trainable, policy.optimizer, acc.device, cfg.gradient_checkpointing,
             offload=cfg.activation_offload, compiled=compiled is not None,

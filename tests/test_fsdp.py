@@ -185,7 +185,9 @@ def test_fsdp_config_refuses_what_it_cannot_shard() -> None:
         ({"fsdp": True, "fast_inference": True}, "fast_inference", "static generator"),
         ({"fsdp": "full_shard auto_wrap"}, "fsdp", "fsdp: true"),
         ({"fsdp": {"reshard": True}}, "fsdp.reshard", "reshard_after_forward"),
+        ({"fsdp": True, "train_pass_tokens": 8192}, "train_pass_tokens", "train_chunk_rows"),
     ]
+    assert load_config({"fsdp": True}).train_pass_tokens == "auto"  # no bound under fsdp (run_parts)
     for config, field, words in cases:
         with pytest.raises(ConfigError) as err:
             load_config(config)

@@ -1,6 +1,6 @@
 """``train_pass_tokens: auto``: the activation estimate per token, the budget from the device
-memory left (sized once, less what the first optimizer step will allocate), none on a CPU, and
-a run whose micro-batches it splits keeping the gradient."""
+memory left (sized once, less what the first optimizer step will allocate), none on a CPU, a
+run whose micro-batches it splits keeping the gradient, and a resumed run keeping the budget."""
 
 from __future__ import annotations
 
@@ -132,3 +132,41 @@ def test_a_run_split_by_the_budget_keeps_the_gradient(tiny_model: dict, tmp_path
         scale = max(g.abs().max().item() for g in step_whole)
         for a, b in zip(step_whole, step_auto, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * scale)
+
+
+def test_a_resumed_run_plans_with_the_budget_its_first_run_sized(tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget is saved with the checkpoint: after a resume the device's memory differs
+    (the optimizer's state is loaded already), but the passes must stay those of the run."""
+    from grpo_plugins.engine import Engine
+    from grpo_plugins.models import load_model
+    from grpo_plugins.testing import ScriptedGenerator, registered_component
+
+    sizes = iter([160, 10_000])
+    monkeypatch.setattr(PassBudget, "_size", lambda self: next(sizes))
+    grouping._reply.count = 0  # type: ignore[attr-defined]
+
+    class Scripted(ScriptedGenerator):
+        def __init__(self) -> None:
+            super().__init__(grouping._reply)
+
+    config = {
+        "model": tiny_model, "task": None, "output_dir": str(tmp_path / "run"), "save_steps": 1,
+        "per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 40,
+        "learning_rate": 1e-3, "report_to": [], "seed": 0, "generator": "lengths", "group_by_length": False,
+    }
+    shapes: list[tuple[int, int]] = []
+
+    def engine(max_steps: int) -> Engine:
+        model, tok = load_model(tiny_model, dtype="float32", seed=0)
+        model.get_decoder().register_forward_pre_hook(
+            lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)) if torch.is_grad_enabled() else None, with_kwargs=True
+        )
+        return Engine({**config, "max_steps": max_steps}, model=model, tokenizer=tok, rewards=[grouping._score], dataset=grouping.PROMPTS)
+
+    with registered_component("generator", Scripted, "lengths"):
+        engine(1).train()
+        first = list(shapes)
+        shapes.clear()
+        engine(2).train(resume=True)
+    assert first and shapes and all(rows * columns <= 160 for rows, columns in first + shapes), (first, shapes)
+    assert next(sizes) == 10_000  # the resumed run did not size a budget of its own

@@ -12,8 +12,8 @@ is the same), instead of running out of memory.
 The budget is set once, at the first pass plan of the run (after the first generation, so the
 generator's cache is counted), from ``torch.cuda.mem_get_info`` plus the allocator's cached
 free blocks, less what the first optimizer step will still allocate (moments and gradients)
-and a tenth of the device for everything else. Every process takes the smallest budget, so
-they plan the same passes. Off CUDA: no budget.
+and a tenth of the device for everything else. Every process takes the smallest budget of
+them all. Off CUDA: no budget.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ is the same), instead of running out of memory.
 The budget is set once, at the first pass plan of the run (after the first generation, so the
 generator's cache is counted), from ``torch.cuda.mem_get_info`` plus the allocator's cached
 free blocks, less what the first optimizer step will still allocate (moments and gradients)
-and a tenth of the device for everything else. Every process takes the smallest budget of
-them all. Off CUDA: no budget.
+and a tenth of the device for everything else. Each process sizes its own (their pass counts
+may differ, as length grouping's already do: DDP syncs once, on a window's last pass). Off
+CUDA: no budget.
 """
 
 from __future__ import annotations
@@ -67,17 +68,6 @@ def pending_optimizer_bytes(parameters: Iterable[torch.Tensor], optimizer: Any) 
     return sum(p.numel() for p in parameters if p.grad is None) * PENDING_BYTES_PER_PARAMETER
 
 
-def _smallest_over_processes(value: int) -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.long, device=backend_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-    return value
-
-
 @dataclass
 class PassBudget:
     """``train_pass_tokens: auto`` for one run: :meth:`tokens` sizes the budget on first use
@@ -113,7 +103,7 @@ class PassBudget:
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         pending = pending_optimizer_bytes(self.trainable, self.optimizer)
         budget = free + cached - pending - int(HEADROOM * total)
-        tokens = _smallest_over_processes(max(2, budget // per_token))
+        tokens = max(2, budget // per_token)
         logger.info(
             "train_pass_tokens auto: at most %d tokens per training pass (%.1f GiB for activations at "
             "~%.0f KiB per token; %.1f GiB kept for the first optimizer step)",

@@ -1,0 +1,163 @@
+"""Could the next batch's generation run while this batch trains? (one GPU, the Engine's own parts)
+
+A decode step at 64 rows is latency-bound (a chain of small kernels leaves most multiprocessors
+idle), a training pass is compute-bound. This measures how much of the two overlaps when both
+run at once, before building a pipeline that generates batch k+1 while batch k trains (its
+samples one optimizer step off-policy, which the importance-sampling correction covers).
+
+It runs bench_grpo.py's workload through the Engine. After ``--warmup`` steps every measured
+step's micro-step runs either alone or with a second generation of that step's prompts on a
+stream of its own, in a thread (``--priority high`` gives that stream the higher priority);
+the two alternate step by step. Per step it records the generation alone (the Engine's own),
+the micro-step alone, and the pair at once: the wall time until both finished, and each one's
+own time. The micro-step does not change the weights (the optimizer step comes after it), so
+both read the same weights, as they would in the pipeline.
+
+    python bench/overlap_step.py --shape qwen2.5-0.5b --tokens 1024 --steps 4 --warmup 2 \\
+        [--overrides '{"gradient_checkpointing": false}'] [--priority high]
+
+Writes ``$OUT/overlap_step.json``; ``BENCH_TINY=1`` for a quick CPU check of the script (threads
+without streams: no overlap to expect there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench._common as common  # noqa: E402
+from bench._common import DEVICE, build_model, gib, length_reward, load_tokenizer, median, out_dir, sync, write_json  # noqa: E402
+from bench.bench_grpo import dataset, ours_config  # noqa: E402
+
+
+def _in_thread(fn: Any, stream: torch.cuda.Stream | None, times: dict[str, float], start: float) -> threading.Thread:
+    """Run ``fn`` in a thread (on ``stream`` where given); ``times["own"]`` is its time from
+    ``start`` until its stream's work finished."""
+
+    def work() -> None:
+        if stream is None:
+            fn()
+        else:
+            stream.wait_stream(torch.cuda.default_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            stream.synchronize()
+        times["own"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread
+
+
+def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: str) -> dict[str, Any]:
+    from grpo_plugins.engine import Engine
+
+    config = {**ours_config(T, steps, warmup, {"name": "static", "params": {}}), **overrides}
+    engine = Engine(config, model=build_model(seed=0), tokenizer=load_tokenizer(), rewards=[length_reward], dataset=dataset())
+    setup = engine._setup
+    rows: list[dict[str, Any]] = []
+    stream = torch.cuda.Stream(priority=-1 if priority == "high" else 0) if DEVICE == "cuda" else None
+
+    def setup_and_wrap() -> None:
+        setup()
+        generator, update = engine.generator, engine.update
+        generate, micro_step = generator.generate, update.micro_step
+        last: dict[str, Any] = {}
+
+        def timed_generate(*args: Any, **kwargs: Any) -> Any:
+            last["args"], last["kwargs"] = args, kwargs
+            sync()
+            t0 = time.perf_counter()
+            out = generate(*args, **kwargs)
+            sync()
+            last["generate_s"] = time.perf_counter() - t0
+            return out
+
+        def overlapped_micro_step(*args: Any, **kwargs: Any) -> Any:
+            n = len(rows) + 1
+            sync()
+            if n <= warmup or n % 2 == 0:
+                t0 = time.perf_counter()
+                out = micro_step(*args, **kwargs)
+                sync()
+                rows.append({"step": n, "mode": "alone", "generate_s": last["generate_s"], "train_s": time.perf_counter() - t0})
+                return out
+            times: dict[str, float] = {}
+            # The decoder itself (not the generator's seeded wrapper, which would move the run's
+            # call counter), and its model kept in train mode: the decoder's eval()/train() would
+            # flip the training pass's mode (and so its checkpointing) halfway.
+            decoder = getattr(generator, "_decoder", None)
+            again = decoder.generate if decoder is not None else generate
+            model = decoder.model if decoder is not None else None
+            if model is not None:
+                model.eval = lambda: model  # type: ignore[method-assign]
+                model.train = lambda mode=True: model  # type: ignore[method-assign]
+            t0 = time.perf_counter()
+            thread = _in_thread(lambda: again(*last["args"], **last["kwargs"]), stream, times, t0)
+            try:
+                out = micro_step(*args, **kwargs)
+                sync()
+                train_own = time.perf_counter() - t0
+            finally:
+                thread.join()
+                if model is not None:
+                    del model.eval, model.train
+            sync()
+            rows.append({
+                "step": n, "mode": "together", "generate_s": last["generate_s"], "wall_s": time.perf_counter() - t0,
+                "train_own_s": train_own, "generate_own_s": times.get("own"),
+            })
+            return out
+
+        generator.generate = timed_generate
+        update.micro_step = overlapped_micro_step
+
+    engine._setup = setup_and_wrap  # type: ignore[method-assign]
+    engine.train()
+    measured = [r for r in rows if r["step"] > warmup]
+    alone = [r for r in measured if r["mode"] == "alone"]
+    together = [r for r in measured if r["mode"] == "together"]
+    summary: dict[str, Any] = {
+        "generate_alone_s": median([r["generate_s"] for r in measured]),
+        "train_alone_s": median([r["train_s"] for r in alone]) if alone else None,
+        "together_wall_s": median([r["wall_s"] for r in together]) if together else None,
+        "together_generate_s": median([r["generate_own_s"] for r in together]) if together else None,
+        "together_train_s": median([r["train_own_s"] for r in together]) if together else None,
+    }
+    if summary["train_alone_s"] is not None and summary["together_wall_s"] is not None:
+        serial = summary["generate_alone_s"] + summary["train_alone_s"]
+        summary["serial_s"] = serial
+        summary["saved_s"] = serial - summary["together_wall_s"]
+        summary["overlap_of_shorter"] = summary["saved_s"] / min(summary["generate_alone_s"], summary["train_alone_s"])
+    summary["peak_gib"] = gib(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" else None
+    return {"summary": summary, "steps": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(common.SHAPES))
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4, help="measured steps, alternating alone / together")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--overrides", default="{}", help="JSON config overrides, e.g. '{\"gradient_checkpointing\": false}'")
+    parser.add_argument("--priority", choices=["normal", "high"], default="high", help="the overlapped generation's stream priority")
+    args = parser.parse_args()
+    common.ACTIVE_SHAPE = args.shape
+    result = run(args.tokens, args.steps, args.warmup, json.loads(args.overrides), args.priority)
+    result["args"] = vars(args)
+    result["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(json.dumps(result["summary"], indent=1), flush=True)
+    write_json(out_dir() / "overlap_step.json", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -101,10 +101,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def out_of_memory_advice(config: GRPOConfig, phase: str, generator_advice: Sequence[str] = ()) -> list[str]:
+def out_of_memory_advice(
+    config: GRPOConfig, phase: str, generator_advice: Sequence[str] = (), pass_tokens: int | None = None
+) -> list[str]:
     """The settings that lower peak memory in ``phase``, each with its current value;
     ``generator_advice`` (the generator's :meth:`~grpo_plugins.kinds.Generator.memory_advice`)
-    comes after the run's own settings."""
+    comes after the run's own settings; ``pass_tokens``: what ``train_pass_tokens: auto``
+    picked, if it did."""
     c = config
     batch = f"per_device_train_batch_size ({c.per_device_train_batch_size}; raise gradient_accumulation_steps to keep the batch)"
     length = f"max_completion_length ({c.max_completion_length})"
@@ -130,9 +133,11 @@ def out_of_memory_advice(config: GRPOConfig, phase: str, generator_advice: Seque
     advice = [chunk_rows] if suggestion < c.per_device_train_batch_size else []
     if phase == "training":
         tokens = c.train_pass_tokens
-        pass_tokens = (tokens // 2) if isinstance(tokens, int) else 8192
+        now = f"auto: {pass_tokens}" if tokens == "auto" and pass_tokens is not None else tokens
+        bound = tokens if isinstance(tokens, int) else pass_tokens if tokens == "auto" else None
         advice.append(
-            f"train_pass_tokens ({tokens}; e.g. {pass_tokens}: at most that many rows x tokens per forward+backward, same results)"
+            f"train_pass_tokens ({now}; e.g. {bound // 2 if bound else 8192}: at most that many rows x tokens per "
+            "forward+backward, same results)"
         )
     if phase == "training" and c.gradient_checkpointing and not c.activation_offload:
         advice.append("activation_offload (false; true keeps the checkpointed layers' inputs in CPU memory)")
@@ -194,6 +199,7 @@ class RunGuard:
         self.reward_names = list(reward_names)
         self.last_checkpoint: Path | None = None
         self.skipped: list[tuple[int, str]] = []  # (step, component) of each skipped step
+        self.pass_tokens: Callable[[], int | None] = lambda: None  # what train_pass_tokens: auto picked
 
     # -- out of memory ------------------------------------------------------------------------
 
@@ -238,7 +244,7 @@ class RunGuard:
                 extra = list(self.generator_advice(phase))
             except Exception:  # a plugin's advice must not hide the out-of-memory error itself
                 logger.debug("the generator's memory_advice failed", exc_info=True)
-        knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase, extra))
+        knobs = "\n".join(f"  - {k}" for k in out_of_memory_advice(self.config, phase, extra, self.pass_tokens()))
         if self.last_checkpoint is not None:
             saved = (
                 f"The last complete checkpoint, {self.last_checkpoint}, is intact: after changing the "

@@ -170,3 +170,20 @@ def test_a_resumed_run_plans_with_the_budget_its_first_run_sized(tiny_model: dic
         engine(2).train(resume=True)
     assert first and shapes and all(rows * columns <= 160 for rows, columns in first + shapes), (first, shapes)
     assert next(sizes) == 10_000  # the resumed run did not size a budget of its own
+
+
+def test_out_of_memory_advice_names_what_auto_picked(tiny_model: dict) -> None:
+    from grpo_plugins.guards import out_of_memory_advice
+
+    def pass_advice(config: GRPOConfig, picked: int | None) -> str:
+        return next(a for a in out_of_memory_advice(config, "training", pass_tokens=picked) if a.startswith("train_pass_tokens"))
+
+    auto = GRPOConfig(model=tiny_model)
+    assert pass_advice(auto, 12_000).startswith("train_pass_tokens (auto: 12000; e.g. 6000:")
+    assert pass_advice(auto, None).startswith("train_pass_tokens (auto; e.g. 8192:")  # not sized (a CPU)
+    assert pass_advice(GRPOConfig(model=tiny_model, train_pass_tokens=4000), 12_000).startswith("train_pass_tokens (4000; e.g. 2000:")
+    from grpo_plugins.guards import RunGuard
+
+    guard = RunGuard(auto, ["r"])
+    guard.pass_tokens = lambda: 12_000
+    assert "train_pass_tokens (auto: 12000; e.g. 6000" in str(guard._oom_error("training", 3, RuntimeError("CUDA out of memory")))

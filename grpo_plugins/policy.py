@@ -54,8 +54,17 @@ class Policy:
     def pass_tokens(self) -> int | None:
         """The most tokens one pass may hold (the same number for the whole run), or None."""
         if self.pass_budget is not None:
-            self.max_pass_tokens, self.pass_budget = self.pass_budget(), None
+            self.pin_pass_tokens(self.pass_budget())
         return self.max_pass_tokens
+
+    @property
+    def pass_tokens_known(self) -> bool:
+        """Whether :meth:`pass_tokens` is settled (no budget left to size)."""
+        return self.pass_budget is None
+
+    def pin_pass_tokens(self, tokens: int | None) -> None:
+        """Settle :meth:`pass_tokens` at ``tokens`` (e.g. the number a resumed run had sized)."""
+        self.max_pass_tokens, self.pass_budget = tokens, None
 
     def image_inputs(self, prompt_index: Sequence[int], ids: Tensor, t: int) -> dict[str, Tensor]:
         """The image inputs of a pass over rows of prompts ``prompt_index`` (``ids`` (B, P+t));

@@ -97,8 +97,8 @@ def save_run(
     if entropy.enabled:
         state["entropy_control"] = entropy.state_dict()
     trained = parts.update.policy
-    if config.train_pass_tokens == "auto" and trained.pass_budget is None:  # sized: a resumed run plans the same passes
-        state["train_pass_tokens"] = trained.max_pass_tokens
+    if config.train_pass_tokens == "auto" and trained.pass_tokens_known:  # sized: a resumed run plans the same passes
+        state["train_pass_tokens"] = trained.pass_tokens()
     path = save_checkpoint(
         acc, output_dir, at.global_step, tokenizer=parts.policy.processor or parts.policy.tokenizer,
         rng_state=rng if rng is not None else capture_rng(),
@@ -121,8 +121,7 @@ def resume_run(path: Path, parts: RunParts, config: GRPOConfig) -> Position:
     if "generator" in state and hasattr(generator, "load_state_dict"):
         generator.load_state_dict(state["generator"])
     if "train_pass_tokens" in state and config.train_pass_tokens == "auto":
-        trained = parts.update.policy  # the budget the run sized, not one from the memory left now
-        trained.max_pass_tokens, trained.pass_budget = state["train_pass_tokens"], None
+        parts.update.policy.pin_pass_tokens(state["train_pass_tokens"])  # the run's size, not one from the memory left now
     if rng is not None:
         restore_rng(rng)
     rollout = Rollout.from_state(saved, acc.device) if saved is not None else None

@@ -280,7 +280,7 @@ def build_run_parts(config: GRPOConfig, registry: Registry, given: Given) -> Run
             policy.unwrapped, policy.trainable, policy.optimizer, acc.device, cfg.gradient_checkpointing,
             offload=cfg.activation_offload, compiled=compiled is not None,
         ).tokens
-        guard.pass_tokens = lambda: trained.max_pass_tokens if trained.pass_budget is None else None
+        guard.pass_tokens = lambda: trained.pass_tokens() if trained.pass_tokens_known else None
     prompts = PromptSource(
         dataset, prompt_column, environment, PromptStream(len(dataset), cfg.seed, cfg.shuffle_dataset),
         cfg.max_prompt_length, cfg.prompt_truncation, images,

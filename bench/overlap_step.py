@@ -14,7 +14,11 @@ own time. The micro-step does not change the weights (the optimizer step comes a
 both read the same weights, as they would in the pipeline.
 
     python bench/overlap_step.py --shape qwen2.5-0.5b --tokens 1024 --steps 4 --warmup 2 \\
-        [--overrides '{"gradient_checkpointing": false}'] [--priority high]
+        [--overrides '{"gradient_checkpointing": false}'] [--priority high] [--train-sms 100]
+
+``--train-sms N`` runs the overlapped micro-step on a stream of a CUDA green context limited to N
+multiprocessors (torch's ``torch.cuda.green_contexts``, where it has ``Stream``), so the
+training pass's long blocks leave the rest to the decode kernels.
 
 Writes ``$OUT/overlap_step.json``; ``BENCH_TINY=1`` for a quick CPU check of the script (threads
 without streams: no overlap to expect there).
@@ -58,7 +62,21 @@ def _in_thread(fn: Any, stream: torch.cuda.Stream | None, times: dict[str, float
     return thread
 
 
-def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: str) -> dict[str, Any]:
+def _train_stream(train_sms: int | None) -> torch.cuda.Stream | None:
+    """A stream limited to ``train_sms`` multiprocessors (a green context's), or None."""
+    if not train_sms or DEVICE != "cuda":
+        return None
+    from torch.cuda import green_contexts
+
+    context = green_contexts.GreenContext.create(num_sms=train_sms)
+    if not hasattr(context, "Stream"):
+        raise SystemExit(f"--train-sms: this torch ({torch.__version__}) has no GreenContext.Stream")
+    stream = context.Stream()
+    stream._green_context = context  # keep the context alive as long as its stream
+    return stream
+
+
+def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: str, train_sms: int | None = None) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
     config = {**ours_config(T, steps, warmup, {"name": "static", "params": {}}), **overrides}
@@ -66,6 +84,7 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
     setup = engine._setup
     rows: list[dict[str, Any]] = []
     stream = torch.cuda.Stream(priority=-1 if priority == "high" else 0) if DEVICE == "cuda" else None
+    train_stream = _train_stream(train_sms)
 
     def setup_and_wrap() -> None:
         setup()
@@ -104,7 +123,13 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
             t0 = time.perf_counter()
             thread = _in_thread(lambda: again(*last["args"], **last["kwargs"]), stream, times, t0)
             try:
-                out = micro_step(*args, **kwargs)
+                if train_stream is None:
+                    out = micro_step(*args, **kwargs)
+                else:
+                    train_stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(train_stream):
+                        out = micro_step(*args, **kwargs)
+                    torch.cuda.current_stream().wait_stream(train_stream)
                 sync()
                 train_own = time.perf_counter() - t0
             finally:
@@ -150,9 +175,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--overrides", default="{}", help="JSON config overrides, e.g. '{\"gradient_checkpointing\": false}'")
     parser.add_argument("--priority", choices=["normal", "high"], default="high", help="the overlapped generation's stream priority")
+    parser.add_argument("--train-sms", type=int, default=None, help="run the overlapped micro-step on a green context of this many SMs")
     args = parser.parse_args()
     common.ACTIVE_SHAPE = args.shape
-    result = run(args.tokens, args.steps, args.warmup, json.loads(args.overrides), args.priority)
+    result = run(args.tokens, args.steps, args.warmup, json.loads(args.overrides), args.priority, args.train_sms)
     result["args"] = vars(args)
     result["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     print(json.dumps(result["summary"], indent=1), flush=True)

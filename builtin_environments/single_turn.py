@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from grpo_plugins.episodes import single_turn
@@ -14,3 +15,9 @@ class SingleTurn(Environment):
 
     def run(self, prompts: list[Any], prompt_ids: list[list[int]], columns: dict[str, list[Any]]) -> Episodes:
         return single_turn(self.generator.generate(prompt_ids))
+
+    def run_beside(
+        self, prompts: list[Any], prompt_ids: list[list[int]], columns: dict[str, list[Any]]
+    ) -> Callable[[], Episodes] | None:
+        call = self.generator.generate_beside(prompt_ids)
+        return None if call is None else (lambda: single_turn(call()))

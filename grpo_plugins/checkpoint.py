@@ -10,6 +10,7 @@ Layout of ``<output_dir>/checkpoints/checkpoint-<step>/``::
     scheduler.pt         LR-scheduler state
     rng_state_<rank>.pt  python, numpy, torch (and CUDA) RNG states of each process
     rollout_<rank>.pt    a process's generation batch, only when saved in the middle of a cycle
+    ahead_<rank>.pt      a process's next generation batch, made beside training (generate_ahead)
     master_weights.pt    float32 master copies of 16-bit trainable weights (when the run keeps them)
     config.yaml          the run config
     trainer_state.json   step, data position and counters; written last
@@ -176,6 +177,7 @@ def save_checkpoint(
     scaler: Any = None,
     master_weights: Any = None,
     ref_model: Any = None,
+    ahead: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically (every process calls this) and prune old ones.
 
@@ -185,6 +187,7 @@ def save_checkpoint(
         model: the unwrapped model (a peft model saves its adapter only).
         rng_state: this process's RNG states to resume with.
         rollout: this process's generation batch when saved mid-cycle, else None.
+        ahead: this process's generation of the next cycle when one is pending (``generate_ahead``).
         state: JSON-serialisable trainer state (step, data position, counters).
         scaler: the float16 gradient scaler, if any (its scale and growth tracker are saved so
             that a resumed run skips exactly the steps an uninterrupted one would).
@@ -208,6 +211,8 @@ def save_checkpoint(
     torch.save(rng_state, tmp / f"rng_state_{rank}.pt")
     if rollout is not None:
         torch.save(rollout, tmp / f"rollout_{rank}.pt")
+    if ahead is not None:
+        torch.save(ahead, tmp / f"ahead_{rank}.pt")
     sharded = is_sharded(model)
     full_weights = None
     if sharded:  # collective: every process writes its shards, the main one gets full weights
@@ -334,6 +339,14 @@ def load_checkpoint(
             f"processes and has no rollout for process {rank}; resume with the same number of processes"
         )
     return state, rng, rollout
+
+
+def load_ahead(path: str | Path, rank: int) -> dict[str, Any] | None:
+    """The generation of the next cycle that process ``rank`` saved as pending, or None."""
+    import torch
+
+    file = Path(path) / f"ahead_{rank}.pt"
+    return torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else None
 
 
 def load_weights(model_dir: Path, model: Any) -> None:

@@ -114,6 +114,9 @@ class GRPOConfig(StrictModel):
         "single_turn",
         description="What a rollout is: single_turn (one completion per prompt), tool_calling (multi-turn with tools, see docs/environments.md), or a plugin.",
     )
+    generate_ahead: bool = Field(
+        False, description="Generate the next batch while this one trains (a thread beside the training pass, before the optimizer step): its completions come from the policy one optimizer step older, which the rollout correction (on with vllm_importance_sampling_correction: auto) weighs back. Hides most of the shorter of generation and training on one GPU. Needs a generator and environment that can run beside training (static with merged weights and single_turn; others generate before training, warned), no group filter that drops groups, no LoRA dropout.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0); keep it high (1.0) for diverse groups. Log-probs use the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Must be in (0, 1].")
     top_k: int | None = Field(None, ge=1, description="None disables top-k filtering.")
@@ -340,6 +343,8 @@ class GRPOConfig(StrictModel):
                 "so there is no separate reference to mix the policy into (TRL refuses this too). Train all weights "
                 "(lora: null) or set sync_ref_model: false",
             )
+        if self.generate_ahead and self.lora is not None and self.lora.lora_dropout > 0:
+            raise FieldError("generate_ahead", "the next batch samples from the random stream the training pass's LoRA dropout draws from; set lora.lora_dropout: 0")
         if self.entropy_coef_min > self.entropy_coef_max:
             raise FieldError("entropy_coef_min", "entropy_coef_min must not exceed entropy_coef_max")
         return self

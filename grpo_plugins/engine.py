@@ -242,6 +242,8 @@ class Engine:
                 steps = plan.cycle(cycle, acc.process_index)
                 if rollout is None:
                     rollout = self._next_rollout(cycle, log, saved=last_saved == self.global_step)
+                if self.global_step + sum(s.optimizer_update for s in steps[start_k:]) < parts.total_steps:
+                    parts.rollouts.start_ahead(rollout.next_prompt)  # with generate_ahead: beside this cycle's training
                 windows = accumulation_windows(steps)
                 window = AccumulationWindow()
                 log.start_cycle()
@@ -254,6 +256,8 @@ class Engine:
                     self._trace(cycle, step, rollout)
                     if not step.optimizer_update:
                         continue
+                    with guard.phase("generation", self.global_step + 2):
+                        parts.rollouts.wait_ahead()  # the next batch sampled these weights: done before they change
                     with log.training(), guard.phase("training", self.global_step + 1):
                         record = self._optimizer_step(rollout, window, items)
                     window = AccumulationWindow()

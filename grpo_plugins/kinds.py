@@ -16,7 +16,7 @@ kinds and the hook that registers each.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -183,6 +183,14 @@ class Generator:
     def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
         raise NotImplementedError
 
+    def generate_beside(self, prompt_ids: list[list[int]]) -> Callable[[], GenerationOutput] | None:
+        """Ready a generation of ``prompt_ids`` that another thread runs while the training pass
+        runs (``generate_ahead``), or None where this backend cannot. Called in the training
+        thread, it does whatever must not run beside training (compiling, capturing graphs,
+        advancing the seed); the returned call then only reads the weights, which do not change
+        until it has returned. Default: None (the run then generates before training)."""
+        return None
+
     def on_weights_updated(self, model: Any) -> None:
         """Called after each optimizer step."""
 
@@ -268,6 +276,11 @@ class Environment:
 
     def setup(self, generator: Any, tokenizer: Any, settings: EnvironmentSettings) -> None:
         self.generator, self.tokenizer, self.settings = generator, tokenizer, settings
+
+    def run_beside(self, prompts: list[Any], prompt_ids: list[list[int]], columns: dict[str, list[Any]]) -> Callable[[], Episodes] | None:
+        """``run`` readied to go in another thread beside the training pass (``generate_ahead``;
+        see :meth:`Generator.generate_beside`), or None where it cannot. Default: None."""
+        return None
 
     def encode_prompts(self, prompts: list[Any], max_prompt_length: int | None, truncation: str) -> list[list[int]]:
         """The token ids of each prompt (chat messages through the chat template); the default

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_plugins.checkpoint import (
-    capture_rng, load_checkpoint, refuse_fresh_run_over, resolve_resume, restore_rng, save_checkpoint,
+    capture_rng, load_ahead, load_checkpoint, refuse_fresh_run_over, resolve_resume, restore_rng, save_checkpoint,
 )
 from grpo_plugins.rollout_batches import Rollout
 
@@ -103,6 +103,7 @@ def save_run(
         acc, output_dir, at.global_step, tokenizer=parts.policy.processor or parts.policy.tokenizer,
         rng_state=rng if rng is not None else capture_rng(),
         rollout=at.rollout.to_state() if at.rollout is not None else None, state=state,
+        ahead=parts.rollouts.ahead.state() if parts.rollouts.ahead is not None else None,
         config_yaml=config.to_yaml(), save_total_limit=config.save_total_limit, **_in_place(parts, config),
     )
     parts.guard.last_checkpoint = path
@@ -125,6 +126,8 @@ def resume_run(path: Path, parts: RunParts, config: GRPOConfig) -> Position:
     if rng is not None:
         restore_rng(rng)
     rollout = Rollout.from_state(saved, acc.device) if saved is not None else None
+    if parts.rollouts.ahead is not None:  # the next cycle's completions, generated before the save
+        parts.rollouts.ahead.load(load_ahead(path, acc.process_index))
     generator.on_weights_updated(parts.policy.unwrapped)
     parts.guard.last_checkpoint = path
     logger.info("resumed from %s at step %d", path, state["global_step"])

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_plugins.ahead import AheadGeneration
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.console import phase, print_completions
@@ -44,16 +45,22 @@ def accumulation_windows(steps: Sequence[Step]) -> list[int]:
     return out
 
 
-def corrects_rollouts(setting: bool | str, generator: Any) -> bool:
+def _samples_from_policy(generator: Any, ahead: bool) -> bool:
+    # One step ahead, the sampler is the policy before the last optimizer step.
+    return getattr(generator, "samples_from_policy", True) and not ahead
+
+
+def corrects_rollouts(setting: bool | str, generator: Any, ahead: bool = False) -> bool:
     """Whether the rollout correction is on: ``vllm_importance_sampling_correction`` true, or
-    "auto" and the generator does not sample from the trained policy (``samples_from_policy``
-    False, e.g. vLLM). "auto" has this one meaning everywhere."""
+    "auto" and the samples do not come from the trained policy (a generator whose
+    ``samples_from_policy`` is False, e.g. vLLM, or ``ahead``: ``generate_ahead``). "auto" has
+    this one meaning everywhere."""
     if setting == "auto":
-        return not getattr(generator, "samples_from_policy", True)
+        return not _samples_from_policy(generator, ahead)
     return bool(setting)
 
 
-def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
+def keeps_sampling_logps(setting: bool | str, generator: Any, ahead: bool = False) -> bool:
     """Whether a run keeps the sampler's log-probs and passes them to every micro-step.
 
     Whenever the generator does not sample from the trained policy, whatever the correction
@@ -65,7 +72,7 @@ def keeps_sampling_logps(setting: bool | str, generator: Any) -> bool:
     without vLLM). :func:`~grpo_plugins.objective.compute_loss` reads "auto" from whether it is
     given sampler log-probs, which this rule passes exactly when "auto" corrects.
     """
-    return corrects_rollouts(setting, generator) or not getattr(generator, "samples_from_policy", True)
+    return corrects_rollouts(setting, generator, ahead) or not _samples_from_policy(generator, ahead)
 
 
 class RolloutMaker:
@@ -103,8 +110,16 @@ class RolloutMaker:
         self.prompts, self.environment, self.tokenizer = prompts, environment, environment.tokenizer
         self.rewards, self.guard, self.advantages_of, self.group_filter = rewards, guard, advantages_of, group_filter
         setting, generator = config.vllm_importance_sampling_correction, environment.generator
-        self.correction = corrects_rollouts(setting, generator)
-        self.keep_sampling_logps = keeps_sampling_logps(setting, generator)
+        self.correction = corrects_rollouts(setting, generator, config.generate_ahead)
+        self.keep_sampling_logps = keeps_sampling_logps(setting, generator, config.generate_ahead)
+        self.ahead: AheadGeneration | None = None
+        if config.generate_ahead:
+            if plan.group_filter is not None:
+                raise TrainingError(
+                    "generate_ahead does not work with a group_filter that drops groups (dynamic sampling) yet: "
+                    "its refills depend on the batch before; set generate_ahead: false or use a filter that keeps every group"
+                )
+            self.ahead = AheadGeneration(environment, accelerator.device)
 
     def make(
         self, cycle: int, step_number: int, writer: MetricsWriter | None = None, first_prompt: int | None = None
@@ -173,17 +188,36 @@ class RolloutMaker:
             if not (self.plan.on_policy and self.config.beta == 0.0):
                 phase(f"log-probs step {step_number}")
             self._add_logps(rollout, steps)
+        if self.ahead is not None and self.ahead.covers(first_prompt):
+            self.ahead.done()  # kept until now: a checkpoint of this cycle's start holds it
         return rollout
+
+    def start_ahead(self, first_prompt: int) -> None:
+        """Start generating the cycle whose prompts start at ``first_prompt`` beside the
+        training pass (``generate_ahead``; nothing if it is pending already, after a resume)."""
+        if self.ahead is None or self.ahead.covers(first_prompt):
+            return
+        indices = self._plain_indices(first_prompt)
+        self.ahead.start(first_prompt, indices, *self.prompts.prompts_for(indices))
+
+    def wait_ahead(self) -> None:
+        """Wait for the generation started by :meth:`start_ahead` (if any) to finish."""
+        if self.ahead is not None:
+            self.ahead.wait()
 
     def generate_round(self, indices: list[int], step_number: int) -> Round:
         """Generate and score one episode per entry of ``indices`` (this process's rows)."""
         acc = self.accelerator
         prompts, prompt_ids, columns = self.prompts.prompts_for(indices)
-        phase(f"generating step {step_number}")
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            episodes = self.environment.run(prompts, prompt_ids, columns)
-        generate_seconds = time.perf_counter() - t0
+        pending = self.ahead.take(indices) if self.ahead is not None else None
+        if pending is not None:  # generated beside the last cycle's training
+            episodes, generate_seconds = pending.episodes, pending.seconds
+        else:
+            phase(f"generating step {step_number}")
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                episodes = self.environment.run(prompts, prompt_ids, columns)
+            generate_seconds = time.perf_counter() - t0
         if episodes.stats and self.plan.group_filter is not None:
             raise TrainingError(
                 "a group_filter that drops groups (dynamic sampling) does not work with a multi-turn "
@@ -211,8 +245,7 @@ class RolloutMaker:
         """The cycle's batch as generated: one round of ``unique_prompts`` prompts."""
         acc, plan = self.accelerator, self.plan
         G = plan.num_generations
-        indices = [first_prompt + c // G for c in range(plan.effective_batch_size)][plan.process_rows(acc.process_index)]
-        r = self.generate_round(indices, step_number)
+        r = self.generate_round(self._plain_indices(first_prompt), step_number)
         all_rewards = acc.gather(r.local_rewards)  # (N, K) N = L * num_processes, process order
         lengths = r.model_mask.sum(1)  # (L,) model tokens
         local_tokens = sum(len(p) for p in r.prompt_ids) + r.completion_mask.sum()
@@ -227,6 +260,11 @@ class RolloutMaker:
             num_tokens=int(acc.reduce(torch.as_tensor(local_tokens, device=acc.device).double(), reduction="sum")),
             next_prompt=first_prompt + plan.unique_prompts,
         )
+
+    def _plain_indices(self, first_prompt: int) -> list[int]:
+        """This process's prompt rows of the cycle whose prompts start at ``first_prompt``."""
+        plan, G = self.plan, self.plan.num_generations
+        return [first_prompt + c // G for c in range(plan.effective_batch_size)][plan.process_rows(self.accelerator.process_index)]
 
     # -- the stages ----------------------------------------------------------------------------
 

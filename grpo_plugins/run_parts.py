@@ -196,8 +196,10 @@ class RunParts:
             self.compile_cache.save_if_new()
 
     def close(self) -> None:
-        """Let go of the rewards' workers, the environment's threads, the generator's engine
+        """Let go of a generation ahead, the rewards' workers, the environment's threads, the generator's engine
         (vLLM holds a share of the GPU) and a process group of our own."""
+        if self.rollouts.ahead is not None:  # a generation still running beside training finishes first
+            self.rollouts.ahead.close()
         self.rewards.close()
         for part in (self.environment, self.generator):
             close = getattr(part, "close", None)

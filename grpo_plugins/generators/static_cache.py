@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -214,6 +214,26 @@ class StaticCacheGenerator(Generator):
         if self._fallback is None:
             raise RuntimeError("generator 'static': generate() called before setup()")
         return self._fallback.generate(prompt_ids)
+
+    def generate_beside(self, prompt_ids: list[list[int]]) -> Callable[[], GenerationOutput] | None:
+        """Capture here what the decode needs and take this call's seed; the returned call only
+        replays (from the merged copies; None without them, or on the fallback)."""
+        from grpo_plugins.generators.common import seeded_call
+        from grpo_plugins.generators.static_decode import UnsupportedModelError
+
+        decoder = self._decoder
+        try:
+            if decoder is None or not decoder.prepare(prompt_ids):
+                return None
+        except UnsupportedModelError:  # generate() says so, or falls back
+            return None
+        call, self.calls = self.calls, self.calls + 1
+
+        def run() -> GenerationOutput:
+            with seeded_call(self.sampling.seed, call, decoder.parts.embed.weight.device):
+                return GenerationOutput(*decoder.generate(prompt_ids))
+
+        return run
 
     def _generate_seeded(self, prompt_ids: list[list[int]]) -> Any:
         """Decode under the seed ``sampling.seed`` plus a per-call counter (as the transformers

@@ -308,15 +308,7 @@ class StaticDecoder:
         Returns ``(completion_ids, completion_mask, is_truncated, sampling_logps)`` with
         shapes (B, T'), (B, T'), (B,), (B, T'), T' = the longest completion (EOS included).
         """
-        if any(len(p) == 0 for p in prompt_ids):
-            raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
-        n = len(prompt_ids)
-        rows = min(self.max_batch_rows or n, n, -(-n // self.parallel_parts))
-        # Every part is decoded in graphs and caches shaped for the longest prompt of the batch
-        # and the largest part, so a shorter part does not capture (and keep) others.
-        longest = max(len(p) for p in prompt_ids)
-        chunks = [prompt_ids[i : i + rows] for i in range(0, n, rows)]
-        groups = [chunks[i : i + self.parallel_parts] for i in range(0, len(chunks), self.parallel_parts)]
+        rows, longest, groups = self._layout(prompt_ids)
         out = join_parts([part for group in groups for part in self._sample(group, longest, rows)], self.pad_id)
         if self.release_cache:
             # Only here, once _sample has returned: its locals hold the graph, the KV cache and the
@@ -326,9 +318,34 @@ class StaticDecoder:
             return_freed_memory(self.parts.embed.weight.device)
         return out
 
-    def _sample(self, group: list[list[list[int]]], longest: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
-        """Decode the parts of ``group`` at once (each at most ``rows`` prompts, none longer than
-        ``longest`` tokens) in the graphs and caches for (rows, longest, parts)."""
+    def _layout(self, prompt_ids: list[list[int]]) -> tuple[int, int, list[list[list[list[int]]]]]:
+        """(rows per part, longest prompt, the groups of parts decoded at once)."""
+        if any(len(p) == 0 for p in prompt_ids):
+            raise GRPOPluginsError("generator 'static': every prompt needs at least one token")
+        n = len(prompt_ids)
+        rows = min(self.max_batch_rows or n, n, -(-n // self.parallel_parts))
+        # Every part is decoded in graphs and caches shaped for the longest prompt of the batch
+        # and the largest part, so a shorter part does not capture (and keep) others.
+        longest = max(len(p) for p in prompt_ids)
+        chunks = [prompt_ids[i : i + rows] for i in range(0, n, rows)]
+        return rows, longest, [chunks[i : i + self.parallel_parts] for i in range(0, len(chunks), self.parallel_parts)]
+
+    @torch.no_grad()
+    def prepare(self, prompt_ids: list[list[int]]) -> bool:
+        """Compile and capture what ``generate(prompt_ids)`` decodes with, so that it then only
+        replays (``generate_ahead`` runs it in a thread beside the training pass). False where
+        that generation would still run the model's own modules (no merged copies, or images),
+        which must not change mode beside a training pass."""
+        rows, longest, groups = self._layout(prompt_ids)
+        if not self.merge_weights or any(multimodal_of(p) for p in prompt_ids):
+            return False
+        for count in sorted({len(group) for group in groups}):
+            self._sample_graphs(count, longest, rows)
+        return True
+
+    def _sample_graphs(self, count: int, longest: int, rows: int) -> tuple[DecoderParts, WindowGraphs, int]:
+        """The parts (merged copies refreshed), the graphs and caches for ``count`` parts of at
+        most ``rows`` prompts no longer than ``longest``, and the prompt width P."""
         key = self._param_key()
         if key != self._weights_key:  # parameters re-allocated: captured addresses are stale
             self.clear()
@@ -345,14 +362,26 @@ class StaticDecoder:
                 f"sliding window ({window}); use generator: transformers"
             )
         parts = self._decode_parts()
+        return parts, self._graph(parts, B, P, T, device, dtype, count), P
+
+    def _sample(self, group: list[list[list[int]]], longest: int, rows: int) -> list[tuple[torch.Tensor, ...]]:
+        """Decode the parts of ``group`` at once (each at most ``rows`` prompts, none longer than
+        ``longest`` tokens) in the graphs and caches for (rows, longest, parts)."""
+        device = self.parts.embed.weight.device
+        T = self.sampling.max_completion_length
+        # Merged copies hold no dropout and text prompts run none of the model's modules: leave the
+        # model's mode alone (a training pass beside this generation reads it).
+        own_modules = not self.merge_weights or any(multimodal_of(p) for part in group for p in part)
         was_training = self.model.training
-        self.model.eval()  # no dropout (LoRA) while sampling
+        if own_modules:
+            self.model.eval()  # no dropout (LoRA) while sampling
         try:
-            graphs = self._graph(parts, B, P, T, device, dtype, len(group))
+            parts, graphs, P = self._sample_graphs(len(group), longest, rows)
             counts = [self._begin(parts, st, prompts, P) for st, prompts in zip(graphs.states, group)]
             steps = decode_windows(graphs, P, T, self.check_every, self.stop_at_eos)
         finally:
-            self.model.train(was_training)
+            if own_modules:
+                self.model.train(was_training)
         if device.type == "cuda":
             check_barriers(device)
         return [self._end(st, n, steps) for st, n in zip(graphs.states, counts)]

@@ -50,7 +50,10 @@ class AheadGeneration:
     """Runs one generation at a time beside the training pass (see the module docstring)."""
 
     def __init__(self, environment: Any, device: torch.device) -> None:
-        self.environment, self.device = environment, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the thread sets it as its own
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.environment, self.device = environment, device
         self.pending: Pending | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None

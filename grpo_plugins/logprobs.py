@@ -214,7 +214,9 @@ def chunked_selective_logps(
         h = flat_hidden[start : start + chunk_size]
         t = flat_targets[start : start + chunk_size]
         if recompute:
-            lp, ent = checkpoint(fn, h, t, head, transform, with_entropy, use_reentrant=False)
+            # A log-softmax draws nothing: no random state to save and restore (which would also
+            # rewind the stream a generation beside training samples from, generate_ahead).
+            lp, ent = checkpoint(fn, h, t, head, transform, with_entropy, use_reentrant=False, preserve_rng_state=False)
         else:
             lp, ent = fn(h, t, head, transform, with_entropy)
         logps.append(lp)

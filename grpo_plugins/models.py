@@ -319,8 +319,11 @@ def enable_gradient_checkpointing(model: Any, offload: bool = False) -> None:
 
     ``offload``: the checkpointed layers' inputs are kept in CPU memory
     (:class:`~grpo_plugins.offload.OffloadActivations` around each layer's checkpoint)."""
+    from grpo_plugins.dropout import dropout_in
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    kwargs = {"use_reentrant": False}
+    # Without dropout a recomputed segment draws nothing: no random state to save and restore.
+    kwargs = {"use_reentrant": False, "preserve_rng_state": dropout_in(model) is not None}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

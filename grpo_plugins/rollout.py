@@ -23,6 +23,7 @@ from grpo_plugins.ahead import AheadGeneration
 from grpo_plugins.batching import BatchPlan, Step
 from grpo_plugins.config import GRPOConfig
 from grpo_plugins.console import phase, print_completions
+from grpo_plugins.dropout import dropout_in
 from grpo_plugins.dynamic_sampling import refill
 from grpo_plugins.errors import TrainingError
 from grpo_plugins.guards import RunGuard
@@ -118,6 +119,12 @@ class RolloutMaker:
                 raise TrainingError(
                     "generate_ahead does not work with a group_filter that drops groups (dynamic sampling) yet: "
                     "its refills depend on the batch before; set generate_ahead: false or use a filter that keeps every group"
+                )
+            dropout = dropout_in(policy.unwrapped)
+            if dropout is not None:
+                raise TrainingError(
+                    f"generate_ahead: the training pass draws random numbers (dropout: {dropout}) from the stream the "
+                    "next batch samples from beside it; use a model without dropout or set generate_ahead: false"
                 )
             self.ahead = AheadGeneration(environment, accelerator.device)
 

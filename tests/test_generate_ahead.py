@@ -184,3 +184,70 @@ def test_the_correction_counts_an_ahead_sampler_as_off_policy() -> None:
     assert keeps_sampling_logps("auto", OwnPolicy(), ahead=True)
     assert keeps_sampling_logps(False, OwnPolicy(), ahead=True)  # kept for the metrics, not corrected
     assert not corrects_rollouts(False, OwnPolicy(), ahead=True)
+
+
+def test_the_training_pass_leaves_the_random_state_alone_while_the_next_batch_samples(
+    tiny_model: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activation checkpointing (of the layers and of the log-prob chunks) would save and restore
+    the random state around each recomputation, rewinding the stream the generation beside it
+    draws from: with no dropout there is nothing to restore, and nothing does."""
+    from grpo_plugins.engine import Engine
+
+    window = {"open": False}
+    touched: list[str] = []
+    for module, name in [(torch, "set_rng_state"), (torch.random, "set_rng_state"), (torch, "manual_seed"), (torch.random, "manual_seed")]:
+        original = getattr(module, name)
+
+        def recorded(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            if window["open"] and threading.current_thread() is threading.main_thread():
+                touched.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recorded)
+
+    engine = Engine(_config(tiny_model, tmp_path / "run", save_steps=100, gradient_checkpointing=True), rewards=[char_sum], dataset=PROMPTS)
+    setup = engine._setup
+
+    def setup_with_window() -> None:
+        setup()
+        rollouts = engine.parts.rollouts
+        start, wait = rollouts.start_ahead, rollouts.wait_ahead
+
+        def start_open(*args: Any) -> None:
+            start(*args)
+            window["open"] = True
+
+        def wait_closed() -> None:
+            wait()
+            window["open"] = False
+
+        rollouts.start_ahead, rollouts.wait_ahead = start_open, wait_closed
+
+    engine._setup = setup_with_window  # type: ignore[method-assign]
+    engine.train()
+    assert engine.parts.update.policy.unwrapped.is_gradient_checkpointing
+    assert touched == []
+
+
+def test_a_model_with_dropout_is_refused_and_checkpointing_keeps_its_random_state(tmp_path: Path) -> None:
+    from grpo_plugins.dropout import dropout_in
+    from grpo_plugins.engine import Engine
+    from grpo_plugins.errors import GRPOPluginsError
+    from grpo_plugins.models import load_model
+    from grpo_plugins.testing import tiny_model_spec
+
+    plain = tiny_model_spec(tmp_path / "plain", "llama")
+    dropping = tiny_model_spec(tmp_path / "dropping", "llama", attention_dropout=0.1)
+    assert dropout_in(load_model(plain)[0]) is None
+    assert "attention_dropout" in dropout_in(load_model(dropping)[0])
+
+    def preserves(model: Any) -> bool:
+        funcs = [m._gradient_checkpointing_func for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None)]
+        return funcs[0].keywords["preserve_rng_state"]
+
+    assert not preserves(load_model(plain, gradient_checkpointing=True)[0])
+    assert preserves(load_model(dropping, gradient_checkpointing=True)[0])
+
+    with pytest.raises(GRPOPluginsError, match="generate_ahead.*attention_dropout"):
+        Engine(_config(dropping, tmp_path / "run"), rewards=[char_sum], dataset=PROMPTS).train()

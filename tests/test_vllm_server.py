@@ -591,3 +591,39 @@ def test_the_nccl_transport_without_vllm_on_the_trainer_says_what_to_do(tokenize
             _setup(fake, tiny_model)
     finally:
         fake.close()
+
+
+def test_generate_ahead_sends_the_next_batch_while_this_one_trains(server, tiny_model: dict, tmp_path) -> None:
+    """Server mode with generate_ahead: cycle k+1's requests go out beside cycle k's training,
+    before step k's weights reach the server, from another thread; then the weights follow."""
+    from grpo_plugins.engine import Engine
+
+    model, tokenizer = load_model(tiny_model, dtype="float32", seed=0)
+    config = {
+        "model": tiny_model, "task": None, "output_dir": str(tmp_path / "out"), "max_steps": 3,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "steps_per_generation": 1,
+        "num_generations": 4, "max_completion_length": 6, "learning_rate": 1e-2, "report_to": ["jsonl"], "seed": 0,
+        "generate_ahead": True,
+        "generator": {"name": "vllm", "params": {"mode": "server", "server_port": server.port, "server_timeout": 10}},
+    }
+    threads: list[str] = []
+    generate = VLLMGenerator.generate
+
+    def recorded(self: Any, prompt_ids: list[list[int]]) -> Any:
+        threads.append(threading.current_thread().name)
+        return generate(self, prompt_ids)
+
+    prompts = [{"prompt": p} for p in ["ab", "cd", "ef", "gh"]]
+    try:
+        VLLMGenerator.generate = recorded  # type: ignore[method-assign]
+        result = Engine(config, model=model, tokenizer=tokenizer, rewards=[lambda completions, **kw: [float(len(c)) for c in completions]],
+                        dataset=prompts).train()
+    finally:
+        VLLMGenerator.generate = generate  # type: ignore[method-assign]
+    assert result.global_step == 3
+    assert threads[0] == threading.current_thread().name and all(t.startswith("generate-ahead") for t in threads[1:]), threads
+    # Requests and weight updates in the order the server saw them: cycle 0's batch; cycle 1's
+    # batch before step 1's weights; cycle 2's before step 2's; the last step's weights.
+    order = [("gen" if p == "/v1/completions" else "upd") for p in server.paths() if p in ("/v1/completions", "/finish_weight_update")]
+    assert order == ["upd", "gen", "gen", "upd", "gen", "upd", "upd"], order
+    assert all(torch.equal(server.weights[n], t) for n, t in model.state_dict().items())

@@ -32,6 +32,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpo_plugins.generators.vllm_outputs import (
@@ -348,6 +349,15 @@ class VLLMGenerator(Generator):
         if len(completions) != len(prompt_ids):
             raise RuntimeError(f"vLLM returned {len(completions)} completions for {len(prompt_ids)} prompts")
         return self.to_generation_output(completions)
+
+    def generate_beside(self, prompt_ids: list[list[int]]) -> Callable[[], GenerationOutput] | None:
+        """Server mode: the requests, sent from another thread while the training pass runs
+        (``generate_ahead``); the server decodes on GPUs of its own, so generation and training
+        overlap fully. The weights it samples from are sent after each optimizer step, which
+        waits for this call. Colocated: None (the engine shares this GPU)."""
+        if self.server is None:
+            return None
+        return lambda: self.generate(prompt_ids)
 
     def to_generation_output(self, completions: list[Any]) -> GenerationOutput:
         """Convert vLLM CompletionOutputs (token_ids, logprobs, finish_reason) into tensors."""

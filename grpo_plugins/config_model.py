@@ -115,7 +115,7 @@ class GRPOConfig(StrictModel):
         description="What a rollout is: single_turn (one completion per prompt), tool_calling (multi-turn with tools, see docs/environments.md), or a plugin.",
     )
     generate_ahead: bool = Field(
-        False, description="Generate the next batch while this one trains (a thread beside the training pass, before the optimizer step): its completions come from the policy one optimizer step older, which the rollout correction (on with vllm_importance_sampling_correction: auto) weighs back. Hides most of the shorter of generation and training on one GPU. Needs a generator and environment that can run beside training (static with merged weights and single_turn; others generate before training, warned), no group filter that drops groups, no LoRA dropout.",
+        False, description="Generate the next batch while this one trains (a thread beside the training pass, before the optimizer step): its completions come from the policy one optimizer step older, which the rollout correction (on with vllm_importance_sampling_correction: auto) weighs back. Pays where the generator decodes on GPUs of its own (vllm in server mode); on one GPU the decode barely advances beside a training pass (0.5B: 2%). Needs a generator and environment that can run beside training (vllm server mode, or static with merged weights; single_turn; others generate before training, warned), no group filter that drops groups, no dropout.",
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (> 0); keep it high (1.0) for diverse groups. Log-probs use the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Must be in (0, 1].")

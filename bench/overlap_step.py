@@ -20,6 +20,10 @@ both read the same weights, as they would in the pipeline.
 multiprocessors (torch's ``torch.cuda.green_contexts``, where it has ``Stream``), so the
 training pass's long blocks leave the rest to the decode kernels.
 
+Each overlapped step also records, per decode step, when the host issued it and (by CUDA
+events every 16 steps) when the GPU had done it: whether a slow generation beside training
+waited on the host (the GIL) or on the GPU.
+
 Writes ``$OUT/overlap_step.json``; ``BENCH_TINY=1`` for a quick CPU check of the script (threads
 without streams: no overlap to expect there).
 """
@@ -76,6 +80,60 @@ def _train_stream(train_sms: int | None) -> torch.cuda.Stream | None:
     return stream
 
 
+class DecodeProbe:
+    """Where a generation's decode steps went while it ran beside training: the host time each
+    step was issued, and (every ``every`` steps, by a CUDA event on the decode stream) when the
+    GPU had done it. Installed around ``static_decode.decode_windows`` while ``active``."""
+
+    def __init__(self, every: int = 16) -> None:
+        self.every, self.active = every, False
+        self.issued: list[float] = []
+        self.done: list[tuple[int, Any]] = []  # (step, event)
+        self.base: tuple[float, Any] | None = None
+
+    def install(self) -> None:
+        from grpo_plugins.generators import static_decode
+
+        loop, probe = static_decode.decode_windows, self
+
+        class Timed:
+            def __init__(self, graphs: Any) -> None:
+                self.graphs, self.states = graphs, graphs.states
+
+            def replay(self, cur: int) -> None:
+                self.graphs.replay(cur)
+                probe.issued.append(time.perf_counter())
+                if DEVICE == "cuda" and len(probe.issued) % probe.every == 0:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                    probe.done.append((len(probe.issued), event))
+
+        def probed(graphs: Any, *args: Any, **kwargs: Any) -> int:
+            if not probe.active:
+                return loop(graphs, *args, **kwargs)
+            if DEVICE == "cuda":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                torch.cuda.current_stream().synchronize()
+                probe.base = (time.perf_counter(), event)
+            return loop(Timed(graphs), *args, **kwargs)
+
+        static_decode.decode_windows = probed
+
+    def summary(self, start: float, train_end: float) -> dict[str, Any]:
+        """Decode steps issued by the host, and done by the GPU, during the training window
+        [``start``, ``train_end``] (host clock; the GPU's events aligned at the loop's start)."""
+        out: dict[str, Any] = {"steps": len(self.issued), "issued_during_training": sum(start <= t <= train_end for t in self.issued)}
+        if self.base is not None and self.done:
+            t_base, e_base = self.base
+            gpu = [(k, t_base + e_base.elapsed_time(e) / 1000) for k, e in self.done]
+            during = [k for k, t in gpu if start <= t <= train_end]
+            out["done_by_gpu_during_training"] = (max(during) - min(during) + self.every) if during else 0
+            out["gpu_lag_s_at_training_end"] = max((t for k, t in gpu), default=0.0) - self.issued[-1]
+        self.issued, self.done, self.base = [], [], None
+        return out
+
+
 def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: str, train_sms: int | None = None) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
 
@@ -85,6 +143,8 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
     rows: list[dict[str, Any]] = []
     stream = torch.cuda.Stream(priority=-1 if priority == "high" else 0) if DEVICE == "cuda" else None
     train_stream = _train_stream(train_sms)
+    probe = DecodeProbe()
+    probe.install()
 
     def setup_and_wrap() -> None:
         setup()
@@ -121,6 +181,7 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
                 model.eval = lambda: model  # type: ignore[method-assign]
                 model.train = lambda mode=True: model  # type: ignore[method-assign]
             t0 = time.perf_counter()
+            probe.active = True
             thread = _in_thread(lambda: again(*last["args"], **last["kwargs"]), stream, times, t0)
             try:
                 if train_stream is None:
@@ -134,12 +195,13 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
                 train_own = time.perf_counter() - t0
             finally:
                 thread.join()
+                probe.active = False
                 if model is not None:
                     del model.eval, model.train
             sync()
             rows.append({
                 "step": n, "mode": "together", "generate_s": last["generate_s"], "wall_s": time.perf_counter() - t0,
-                "train_own_s": train_own, "generate_own_s": times.get("own"),
+                "train_own_s": train_own, "generate_own_s": times.get("own"), "decode": probe.summary(t0, t0 + train_own),
             })
             return out
 
@@ -157,6 +219,10 @@ def run(T: int, steps: int, warmup: int, overrides: dict[str, Any], priority: st
         "together_wall_s": median([r["wall_s"] for r in together]) if together else None,
         "together_generate_s": median([r["generate_own_s"] for r in together]) if together else None,
         "together_train_s": median([r["train_own_s"] for r in together]) if together else None,
+        # Decode steps the host issued, and the GPU finished, while the training pass ran: few
+        # issued means the decode thread was starved on the host (the GIL), issued but not done
+        # means the GPU ran the training pass's kernels first.
+        "together_decode": [r["decode"] for r in together],
     }
     if summary["train_alone_s"] is not None and summary["together_wall_s"] is not None:
         serial = summary["generate_alone_s"] + summary["train_alone_s"]

@@ -5,8 +5,10 @@ thread of its own (on a CUDA stream of its own, of high priority) and the traini
 with the micro-steps; the engine waits for it before the cycle's first optimizer step, so the
 generation reads weights that nothing changes while it runs. The next cycle then scores and
 trains on completions sampled by the policy one optimizer step older than the one it trains,
-the gap the rollout correction weighs back. On one GPU a decode step at small batch sizes leaves
-most of the multiprocessors idle, so much of the generation hides behind the training pass.
+the gap the rollout correction weighs back. It pays where the generator decodes on GPUs of its
+own (the vllm generator's server mode): there the two overlap fully. On the training's own GPU
+the decode hardly advances while the training pass's kernels hold the multiprocessors (measured:
+0.5B, 2.07 against 2.10 s a step), whatever the stream priority.
 
 The environment readies the call in the training thread (:meth:`Environment.run_beside`:
 compiling and capturing, taking the generation's seed there); where it cannot, the next batch

@@ -256,7 +256,7 @@ class Engine:
                     self._trace(cycle, step, rollout)
                     if not step.optimizer_update:
                         continue
-                    with guard.phase("generation", self.global_step + 2):
+                    with guard.phase("generation", self.global_step + sum(s.optimizer_update for s in steps[k:]) + 1):
                         parts.rollouts.wait_ahead()  # the next batch sampled these weights: done before they change
                     with log.training(), guard.phase("training", self.global_step + 1):
                         record = self._optimizer_step(rollout, window, items)

@@ -59,6 +59,9 @@ def _fixed_generator() -> type:
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
             return GenerationOutput(completion_ids=ids, completion_mask=mask, is_truncated=torch.tensor(truncated))
 
+        def generate_beside(self, prompt_ids: list[list[int]]) -> Any:
+            return lambda: self.generate(prompt_ids)
+
     return FixedGenerator
 
 
@@ -112,16 +115,22 @@ def one_process_run(tiny_model: dict, root: Path) -> Path:
     return root / "one"
 
 
+#: Generating ahead changes nothing here: the fixed generator's completions do not depend on the
+#: weights, and without its log-probs the correction is off. So the two processes, each with a
+#: generation thread beside its training, must still train exactly as one process without.
+AHEAD = {"generate_ahead": True, "vllm_importance_sampling_correction": False}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_two_processes_match_one(tiny_model: dict, one_process_run: Path, tmp_path: Path, launcher: str) -> None:
+@pytest.mark.parametrize(("launcher", "changes"), [(name, {}) for name in LAUNCHERS] + [("torchrun", AHEAD)], ids=[*LAUNCHERS, "torchrun-ahead"])
+def test_two_processes_match_one(tiny_model: dict, one_process_run: Path, tmp_path: Path, launcher: str, changes: dict[str, Any]) -> None:
     import torch
     from safetensors.torch import load_file
 
     from grpo_plugins.metrics import read_metrics
 
     one, two = one_process_run, tmp_path / "two"
-    (tmp_path / "two.json").write_text(json.dumps(_config(tiny_model, two, per_device=4)))
+    (tmp_path / "two.json").write_text(json.dumps({**_config(tiny_model, two, per_device=4), **changes}))
     run = subprocess.run(
         [*LAUNCHERS[launcher], __file__, str(tmp_path / "two.json")],
         env=_env(), capture_output=True, timeout=300,

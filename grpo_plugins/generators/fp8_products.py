@@ -75,48 +75,87 @@ if triton is not None:
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
+    @triton.jit
+    def _w8_rows_kernel(
+        w_ptr, x_ptr, ws_ptr, out_ptr, M, N, K, k_per_split,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        # As _fp8_rows_kernel with the input left in 16 bits: each float8 weight tile is widened
+        # to the input's dtype in registers, so no kernel quantises the activations first.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        k_start = pid_k * k_per_split
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+        x_rows = x_ptr + rm[:, None] * K
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_rows + (k0 + rk)[None, :], mask=rn[:, None] < N, other=0.0)
+                x = tl.load(x_rows + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+            else:
+                inside = (k0 + rk)[None, :] < K
+                w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
+                x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+        acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan(M: int, N: int, K: int, sms: int) -> dict[str, int]:
+def plan(M: int, N: int, K: int, sms: int, input_bytes: int = 1) -> dict[str, int]:
     """Launch settings for an (M, K) x (N, K)^T product on a GPU with ``sms`` multiprocessors,
     from a sweep on an H200 (``bench/fp8_decode.py``, the sum promoted to float32 per K block):
     128-row weight tiles where there are two per SM, 256-deep K blocks for very long rows, and
-    K split (at most 4 ways) until there are about two programs per SM."""
+    K split (at most 4 ways) until there are about two programs per SM. ``input_bytes``: 2 for
+    16-bit inputs (the weight-only kernel), whose larger tiles allow fewer pipeline stages."""
     if N // 128 >= 2 * sms:
-        return {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 3}
-    block_k = 256 if K >= 8192 else 128
-    tiles = -(-N // 64)
-    split = 1
-    while split < 4 and tiles * split < 2 * sms and K // (block_k * split * 2) >= 3:
-        split *= 2
-    return {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
+        settings = {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 3}
+    else:
+        block_k = 256 if K >= 8192 else 128
+        tiles = -(-N // 64)
+        split = 1
+        while split < 4 and tiles * split < 2 * sms and K // (block_k * split * 2) >= 3:
+            split *= 2
+        settings = {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
+    if input_bytes > 1:  # each stage holds a 16-bit input tile, and the widened weight tile needs room
+        stage_bytes = settings["block_k"] * (settings["block_n"] + max(16, M) * input_bytes)
+        settings["num_stages"] = max(2, min(settings["num_stages"], 160 * 1024 // stage_bytes))
+    return settings
 
 
 def run_kernel(
-    x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+    x: torch.Tensor, x_scale: torch.Tensor | None, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
     config: dict[str, int] | None = None, reduce: bool = True,
 ) -> torch.Tensor:
-    """``(x8 * x_scale) @ (w8 * w_scale)^T`` in ``out_dtype``: ``x8`` (M, K) and ``w8`` (N, K)
-    float8 e4m3, ``x_scale`` (M,) or (M, 1) and ``w_scale`` (N,) or (1, N) float32, M <= 128.
-    ``reduce=False``: the (splits, M, N) partial sums over K instead (float32 when several, in
-    ``out_dtype`` when one), for the caller to add where it can fuse the sum. ``config``
-    (benchmarks): launch settings instead of :func:`plan`'s."""
+    """``(x * x_scale) @ (w8 * w_scale)^T`` in ``out_dtype``: ``w8`` (N, K) float8 e4m3,
+    ``w_scale`` (N,) or (1, N) float32, ``x`` (M, K) with M <= 128, either float8 e4m3 with
+    ``x_scale`` (M,) or (M, 1) float32, or 16-bit with ``x_scale=None`` (the weight-only kernel:
+    each weight tile widened to ``x``'s dtype, the input used as it is). ``reduce=False``: the
+    (splits, M, N) partial sums over K instead (float32 when several, in ``out_dtype`` when one),
+    for the caller to add where it can fuse the sum. ``config`` (benchmarks): launch settings
+    instead of :func:`plan`'s."""
     if triton is None:
         raise RuntimeError("the float8 decode kernel needs Triton")
-    M, K = x8.shape
+    M, K = x.shape
     N = w8.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the float8 decode kernel takes at most {MAX_ROWS} rows, not {M}")
-    settings = plan(M, N, K, _sms(x8.device)) | (config or {})
+    settings = plan(M, N, K, _sms(x.device), x.element_size()) | (config or {})
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
-    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x8.device)
-    _fp8_rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
-        w8, x8.contiguous(), w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous(), out,
+    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
+    scales = (w_scale.reshape(-1).contiguous(),) if x_scale is None else (w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous())
+    kernel = _w8_rows_kernel if x_scale is None else _fp8_rows_kernel
+    kernel[(triton.cdiv(N, settings["block_n"]), split)](
+        w8, x.contiguous(), *scales, out,
         M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
         EVEN_K=K % k_per_split == 0,
@@ -147,13 +186,36 @@ def fp8_rows_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_sca
 
 @fp8_rows_mm.register_fake
 def _(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
-    M, K = x8.shape
+    return _partials_like(x8, w8, out_dtype)
+
+
+@torch.library.custom_op("grpo_plugins::w8_rows_mm", mutates_args=())
+def w8_rows_mm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The weight-only kernel's partial sums (16-bit ``x``, no input scale) as an opaque op to
+    ``torch.compile``, like :func:`fp8_rows_mm`."""
+    return run_kernel(x, None, w8, w_scale, out_dtype, reduce=False)
+
+
+@w8_rows_mm.register_fake
+def _(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
+    return _partials_like(x, w8, out_dtype)
+
+
+def _partials_like(x: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    M, K = x.shape
     N = w8.shape[0]
-    split = _split(K, plan(M, N, K, _sms(x8.device)))[2]
-    return x8.new_empty((split, M, N), dtype=out_dtype if split == 1 else torch.float32)
+    split = _split(K, plan(M, N, K, _sms(x.device), x.element_size()))[2]
+    return x.new_empty((split, M, N), dtype=out_dtype if split == 1 else torch.float32)
 
 
 def fp8_rows_product(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The (M, N) product through :func:`fp8_rows_mm`, its partial sums added in ``out_dtype``."""
     parts = fp8_rows_mm(x8, x_scale, w8, w_scale, out_dtype)
     return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(out_dtype)
+
+
+def w8_rows_product(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The (M, N) product of a 16-bit ``x`` and float8 weights through :func:`w8_rows_mm`, in
+    ``x``'s dtype, its partial sums added."""
+    parts = w8_rows_mm(x, w8, w_scale, x.dtype)
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(x.dtype)

@@ -71,13 +71,17 @@ def main() -> None:
             ours = graph_time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, reduce=False) for q in w8s])
             # The weight-only kernel: the 16-bit input as it is (no row quantisation before it).
             w8a16 = graph_time_us([lambda q=q: run_kernel(x, None, q[0], q[1], torch.bfloat16, reduce=False) for q in w8s])
+            bits = {"widen_bits": True}  # the weight tile widened through float16's bits
+            w8a16_bits = graph_time_us([lambda q=q: run_kernel(x, None, q[0], q[1], torch.bfloat16, bits, reduce=False) for q in w8s])
+            err16_bits = float((run_kernel(x, None, w8s[0][0], w8s[0][1], torch.float32, bits) - run_kernel(x, None, w8s[0][0], w8s[0][1], torch.float32)).abs().max())
             got16 = run_kernel(x, None, w8s[0][0], w8s[0][1], torch.float32)
             want16 = x.float() @ (w8s[0][0].float() * w8s[0][1].reshape(-1, 1)).t()
             err16 = float((got16 - want16).abs().max() / want16.abs().max())
             row: dict[str, Any] = {
                 "model": model, "product": name, "N": N, "K": K, "plan": plan(args.rows, N, K, sms), "rel_err": err,
                 "bf16_us": bf16, "scaled_mm_us": lt, "kernel_us": ours,
-                "weight_only_us": w8a16, "weight_only_rel_err": err16,
+                "weight_only_us": w8a16, "weight_only_rel_err": err16, "weight_only_bits_us": w8a16_bits,
+                "weight_only_bits_max_diff": err16_bits,
                 "weight_only_plan": plan(args.rows, N, K, sms, 2),
                 "bf16_TBps": 2 * N * K / bf16 / 1e6, "scaled_mm_TBps": N * K / lt / 1e6, "kernel_TBps": N * K / ours / 1e6,
             }
@@ -85,7 +89,7 @@ def main() -> None:
                 f"{model:13} {name:8} {N:6}x{K:<6} bf16 {bf16:6.1f} us ({row['bf16_TBps']:.2f} TB/s)  "
                 f"_scaled_mm {lt:6.1f} ({row['scaled_mm_TBps']:.2f})  kernel {ours:6.1f} ({row['kernel_TBps']:.2f}) "
                 f"{row['plan']}  rel err {err:.1e}\n{'':22} weight-only {w8a16:6.1f} ({N * K / w8a16 / 1e6:.2f}) "
-                f"{row['weight_only_plan']} rel err {err16:.1e}",
+                f"{row['weight_only_plan']} rel err {err16:.1e}; widened through bits {w8a16_bits:6.1f} (diff {err16_bits:.1e})",
                 flush=True,
             )
             if not args.no_sweep:

@@ -116,6 +116,34 @@ def test_the_weight_only_kernel_multiplies_the_16_bit_input_by_the_float8_weight
     _interpret(WEIGHT_ONLY_CHECK)
 
 
+WIDEN_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import triton
+import triton.language as tl
+from grpo_plugins.generators.fp8_products import _widen
+
+@triton.jit
+def widen(w_ptr, o_ptr, N: tl.constexpr, BITS: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(o_ptr + r, _widen(tl.load(w_ptr + r), tl.bfloat16, BITS))
+
+w = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every float8 e4m3 value
+finite = ~torch.isnan(w.float())
+for bits in (False, True):
+    out = torch.empty(256, dtype=torch.bfloat16)
+    widen[(1,)](w, out, N=256, BITS=bits)
+    assert torch.equal(out[finite].float(), w.float()[finite]), bits
+    assert torch.equal(out[finite].view(torch.int16) < 0, w.view(torch.int8)[finite] < 0)  # signs, -0 included
+print("ok")
+"""
+
+
+def test_every_float8_value_widens_to_bfloat16_exactly() -> None:
+    _interpret(WIDEN_CHECK)
+
+
 PROJECTION_CHECK = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -233,8 +261,9 @@ def test_the_float8_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pyte
         assert "cubin" in asm and "e4m3" in str(asm["ptx"])  # float8 products on the tensor cores
     weight_only = {"w_ptr": "*fp8e4nv", "x_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*fp32",
                    "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
-    for block_n, block_k in [(128, 128), (64, 256)]:
-        asm = compile_for_hopper(fp8_products._w8_rows_kernel, weight_only, {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": False})
+    for (block_n, block_k), bits in [((128, 128), False), ((64, 256), True)]:
+        constants = {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": False, "WIDEN_BITS": bits}
+        asm = compile_for_hopper(fp8_products._w8_rows_kernel, weight_only, constants)
         assert "cubin" in asm and "e4m3" in str(asm["ptx"])  # the float8 tile widened in registers
     merge = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "delta_ptr": "*fp32", "out_ptr": "*u8", "out_scale_ptr": "*fp32",
              "N": "i32", "K": "i32", "seed_mix": "i64"}

@@ -31,6 +31,9 @@ except ImportError:  # CPU-only torch builds ship without Triton
 #: The most input rows the kernel takes (all in one tile); larger products go to torch.
 MAX_ROWS = 128
 
+#: The weight-only kernel widens bfloat16 weights through float16's bits (see ``_widen``).
+WIDEN_BITS = False
+
 
 def fp8_kernel_unsupported(device: torch.device) -> str | None:
     """Why :func:`fp8_rows_mm` cannot run on ``device`` (None: it can)."""
@@ -76,9 +79,24 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
     @triton.jit
+    def _widen(w, dtype: tl.constexpr, BITS: tl.constexpr):
+        """float8 e4m3 ``w`` as ``dtype``, exactly. ``BITS`` (bfloat16): through float16 (one
+        packed conversion for two values) and then the bits, rebiasing float16's exponent to
+        bfloat16's, instead of a conversion instruction per value."""
+        if BITS and dtype == tl.bfloat16:
+            h = w.to(tl.float16).to(tl.uint16, bitcast=True)
+            magnitude = h & 0x7FFF
+            # float16 1.eeeee.mmm0000000 -> bfloat16 1.eeeeeeee.mmm0000 (every e4m3 value is a
+            # normal float16 or zero; exponent bias 15 -> 127, so +112 on the exponent field)
+            bits = (h & 0x8000) | tl.where(magnitude == 0, 0, (magnitude >> 3) + (112 << 7)).to(tl.uint16)
+            return bits.to(tl.bfloat16, bitcast=True)
+        return w.to(dtype)
+
+    @triton.jit
     def _w8_rows_kernel(
         w_ptr, x_ptr, ws_ptr, out_ptr, M, N, K, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        WIDEN_BITS: tl.constexpr = False,
     ):
         # As _fp8_rows_kernel with the input left in 16 bits: each float8 weight tile is widened
         # to the input's dtype in registers, so no kernel quantises the activations first.
@@ -99,7 +117,7 @@ if triton is not None:
                 inside = (k0 + rk)[None, :] < K
                 w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
                 x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+            acc = tl.dot(_widen(w, x.dtype, WIDEN_BITS), tl.trans(x), acc)
         acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
@@ -160,6 +178,7 @@ def run_kernel(
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
         EVEN_K=K % k_per_split == 0,
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
+        **({"WIDEN_BITS": bool(settings.get("widen_bits", WIDEN_BITS))} if x_scale is None else {}),
     )
     if not reduce:
         return out

@@ -152,6 +152,7 @@ import grpo_plugins.generators.static_layers as layers
 from grpo_plugins.generators.static_layers import FusedLinear
 torch.manual_seed(0)
 q, k = torch.nn.Linear(64, 48, bias=True).half(), torch.nn.Linear(64, 16, bias=False).half()
+FusedLinear.weight_only_decode = True
 fp8 = FusedLinear([q, k], fp8=True)
 assert fp8.rows_kernel is False  # no CUDA here: torch's product
 calls = []
@@ -171,10 +172,10 @@ torch.testing.assert_close(got_decode.float(), exact, rtol=2**-9, atol=2e-3)
 assert torch.equal(got_prefill, want_prefill)
 fp8(decode.float())  # a 32-bit input: torch's product, not the 16-bit kernel
 assert len(calls) == 1, calls
-# The float8-input form (benchmarks): decode batches through the float8 kernel.
+# The float8-input form: decode batches through the float8 kernel, the prefill through _scaled_mm.
 FusedLinear.weight_only_decode = False
 calls.clear()
-fp8(decode)
+fp8(decode), fp8(prefill)
 assert calls == [("fp8_rows_product", 6)], calls
 print("ok")
 """

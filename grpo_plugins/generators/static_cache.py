@@ -82,7 +82,7 @@ class StaticCacheGenerator(Generator):
 
         fp8: bool = Field(
             False,
-            description="Decode from float8 (e4m3) copies of the merged projection weights, one scale per output channel, multiplied by the 16-bit activations as they are (each weight widened to 16 bits inside the product; GPUs with float8 support: Ada, Hopper and newer; decode batches of up to 128 rows through a Triton kernel made for few rows, the prefill through a 16-bit copy of the weight): half the weight bytes a decode step reads (7B LoRA on an H200: generation 4.4 instead of 5.7 s for 64 x 1024 tokens). The sampler is then no longer exactly the trained policy, so vllm_importance_sampling_correction: auto turns the rollout correction on. The LM head and attention stay 16-bit.",
+            description="Decode from float8 (e4m3) copies of the merged projection weights, one scale per output channel, with the activations quantised to float8 per row (GPUs with float8 tensor cores: Ada, Hopper and newer; decode batches of up to 128 rows through a Triton kernel made for few rows, the prefill through torch._scaled_mm): half the weight bytes a decode step reads (7B LoRA on an H200: generation 4.4 instead of 5.7 s for 64 x 1024 tokens). The sampler is then no longer exactly the trained policy, so vllm_importance_sampling_correction: auto turns the rollout correction on. The LM head and attention stay 16-bit.",
         )
 
         fused_attention: bool | None = Field(

@@ -165,17 +165,20 @@ class FusedLinear(torch.nn.Module):
     rounded once to the model's dtype). :meth:`refresh` re-reads the sources (after optimizer
     steps); the copy keeps its address, so a captured graph sees the new values.
 
-    ``fp8``: the copy is float8 e4m3 with one scale per output channel, multiplied by the 16-bit
-    input as it is (each weight widened to 16 bits, float32 sums, the scale applied to the sum):
-    half the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa
-    bits) for the weights only. Decode batches (at most 128 rows) on a GPU with Triton go through
-    a kernel made for few rows (:mod:`~grpo_plugins.generators.fp8_products`), which widens each
-    weight tile in registers; longer inputs (prefill) through a 16-bit copy of the weight.
+    ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
+    quantised to float8 per row at each call (float32 accumulation): half the bytes of a 16-bit
+    weight to read per decode step, at float8's precision (3 mantissa bits). Decode batches (at
+    most 128 rows) on a GPU with Triton go through a kernel made for few rows
+    (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through
+    ``torch._scaled_mm``.
     """
 
-    #: False (benchmarks): decode batches quantise the input to float8 per row as well, for the
-    #: float8-input kernel; longer inputs then go through ``torch._scaled_mm``.
-    weight_only_decode = True
+    #: True: multiply the float8 weights by the 16-bit input as it is instead (the weight-only
+    #: kernel widens each weight tile in registers; longer inputs through a 16-bit copy of the
+    #: weight): no kernels quantise the input, and only the weights lose precision. Checked on
+    #: the CPU and compiled for Hopper, not yet timed on a GPU, so off (``bench/fp8_decode.py``,
+    #: ``bench/profile_decode.py --variants fp8w``).
+    weight_only_decode = False
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()

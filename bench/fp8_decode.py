@@ -47,6 +47,21 @@ def _sweep_configs() -> list[dict[str, int]]:
     return configs
 
 
+def _sweep(product: Any, weights: list[Any], weight_bytes: int) -> list[dict[str, Any]]:
+    """The five fastest of :func:`_sweep_configs` for ``product(config, weight)``, timed over
+    ``weights``; configurations that do not launch (e.g. out of shared memory) are skipped."""
+    timed = []
+    for config in _sweep_configs():
+        try:
+            us = graph_time_us([lambda q=q: product(config, q) for q in weights], repeats=10)
+        except Exception as exc:  # noqa: BLE001 - skip the config
+            print(f"    {config}: {type(exc).__name__}", flush=True)
+            continue
+        timed.append((us, config))
+    timed.sort(key=lambda t: t[0])
+    return [{"us": us, "TBps": weight_bytes / us / 1e6, **c} for us, c in timed[:5]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -93,29 +108,10 @@ def main() -> None:
                 flush=True,
             )
             if not args.no_sweep:
-                timed = []
-                for config in _sweep_configs():
-                    try:
-                        us = graph_time_us([lambda q=q: run_kernel(x8, xs, q[0], q[1], torch.bfloat16, config, reduce=False) for q in w8s], repeats=10)
-                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                        print(f"    {config}: {type(exc).__name__}", flush=True)
-                        continue
-                    timed.append((us, config))
-                timed.sort(key=lambda t: t[0])
-                row["best"] = [{"us": us, "TBps": N * K / us / 1e6, **c} for us, c in timed[:5]]
-                for best in row["best"][:3]:
-                    print(f"{'':22} {best['us']:6.1f} us ({best['TBps']:.2f} TB/s) {dict(list(best.items())[2:])}", flush=True)
-                timed = []
-                for config in _sweep_configs():
-                    try:
-                        us = graph_time_us([lambda q=q: run_kernel(x, None, q[0], q[1], torch.bfloat16, config, reduce=False) for q in w8s], repeats=10)
-                    except Exception:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                        continue
-                    timed.append((us, config))
-                timed.sort(key=lambda t: t[0])
-                row["weight_only_best"] = [{"us": us, "TBps": N * K / us / 1e6, **c} for us, c in timed[:5]]
-                for best in row["weight_only_best"][:3]:
-                    print(f"{'':22} weight-only {best['us']:6.1f} us ({best['TBps']:.2f} TB/s) {dict(list(best.items())[2:])}", flush=True)
+                for key, label, x_in, x_scale in (("best", "", x8, xs), ("weight_only_best", "weight-only ", x, None)):
+                    row[key] = _sweep(lambda config, q, x_in=x_in, x_scale=x_scale: run_kernel(x_in, x_scale, q[0], q[1], torch.bfloat16, config, reduce=False), w8s, N * K)
+                    for best in row[key][:3]:
+                        print(f"{'':22} {label}{best['us']:6.1f} us ({best['TBps']:.2f} TB/s) {dict(list(best.items())[2:])}", flush=True)
             results.append(row)
             del ws, w8s
             torch.cuda.empty_cache()

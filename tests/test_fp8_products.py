@@ -258,13 +258,13 @@ def test_the_float8_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pyte
     rows = {"w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*bf16",
             "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
     for block_n, block_k in [(128, 128), (64, 256)]:
-        asm = compile_for_hopper(fp8_products._fp8_rows_kernel, rows, {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": True})
+        constants = {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": True, "WEIGHT_ONLY": False, "WIDEN_BITS": False}
+        asm = compile_for_hopper(fp8_products._rows_kernel, rows, constants)
         assert "cubin" in asm and "e4m3" in str(asm["ptx"])  # float8 products on the tensor cores
-    weight_only = {"w_ptr": "*fp8e4nv", "x_ptr": "*bf16", "ws_ptr": "*fp32", "out_ptr": "*fp32",
-                   "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32"}
+    weight_only = {**rows, "x_ptr": "*bf16", "out_ptr": "*fp32"}
     for (block_n, block_k), bits in [((128, 128), False), ((64, 256), True)]:
-        constants = {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": False, "WIDEN_BITS": bits}
-        asm = compile_for_hopper(fp8_products._w8_rows_kernel, weight_only, constants)
+        constants = {"BLOCK_N": block_n, "BLOCK_M": 64, "BLOCK_K": block_k, "EVEN_K": False, "WEIGHT_ONLY": True, "WIDEN_BITS": bits}
+        asm = compile_for_hopper(fp8_products._rows_kernel, weight_only, constants)
         assert "cubin" in asm and "e4m3" in str(asm["ptx"])  # the float8 tile widened in registers
     merge = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "delta_ptr": "*fp32", "out_ptr": "*u8", "out_scale_ptr": "*fp32",
              "N": "i32", "K": "i32", "seed_mix": "i64"}

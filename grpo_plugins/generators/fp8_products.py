@@ -49,36 +49,6 @@ def fp8_kernel_unsupported(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _fp8_rows_kernel(
-        w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, k_per_split,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        k_start = pid_k * k_per_split
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * K
-        x_rows = x_ptr + rm[:, None] * K
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_rows + (k0 + rk)[None, :], mask=rn[:, None] < N, other=0.0)
-                x = tl.load(x_rows + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-            else:
-                inside = (k0 + rk)[None, :] < K
-                w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
-                x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            # Hopper's float8 tensor cores add in reduced precision; promoting the sum to float32
-            # after each block (as cuBLASLt does unless told to accumulate fast) keeps it exact.
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
-        acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
-        acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
-        out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
-
-    @triton.jit
     def _widen(w, dtype: tl.constexpr, BITS: tl.constexpr):
         """float8 e4m3 ``w`` as ``dtype``, exactly. ``BITS`` (bfloat16): through float16 (one
         packed conversion for two values) and then the bits, rebiasing float16's exponent to
@@ -93,13 +63,13 @@ if triton is not None:
         return w.to(dtype)
 
     @triton.jit
-    def _w8_rows_kernel(
-        w_ptr, x_ptr, ws_ptr, out_ptr, M, N, K, k_per_split,
+    def _rows_kernel(
+        w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        WIDEN_BITS: tl.constexpr = False,
+        WEIGHT_ONLY: tl.constexpr = False, WIDEN_BITS: tl.constexpr = False,
     ):
-        # As _fp8_rows_kernel with the input left in 16 bits: each float8 weight tile is widened
-        # to the input's dtype in registers, so no kernel quantises the activations first.
+        # WEIGHT_ONLY: x is 16-bit and has no scale (xs_ptr unused); each float8 weight tile is
+        # widened to x's dtype in registers, so no kernel quantises the activations first.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,8 +87,16 @@ if triton is not None:
                 inside = (k0 + rk)[None, :] < K
                 w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
                 x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            acc = tl.dot(_widen(w, x.dtype, WIDEN_BITS), tl.trans(x), acc)
+            if WEIGHT_ONLY:
+                acc = tl.dot(_widen(w, x.dtype, WIDEN_BITS), tl.trans(x), acc)
+            else:
+                # Hopper's float8 tensor cores add in reduced precision; promoting the sum to
+                # float32 after each block (as cuBLASLt does unless told to accumulate fast)
+                # keeps it exact.
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
         acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        if not WEIGHT_ONLY:
+            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
@@ -170,15 +148,14 @@ def run_kernel(
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
     out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    scales = (w_scale.reshape(-1).contiguous(),) if x_scale is None else (w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous())
-    kernel = _w8_rows_kernel if x_scale is None else _fp8_rows_kernel
-    kernel[(triton.cdiv(N, settings["block_n"]), split)](
-        w8, x.contiguous(), *scales, out,
+    w_scale = w_scale.reshape(-1).contiguous()
+    _rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
+        w8, x.contiguous(), w_scale, w_scale if x_scale is None else x_scale.reshape(-1).contiguous(), out,
         M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
-        EVEN_K=K % k_per_split == 0,
+        EVEN_K=K % k_per_split == 0, WEIGHT_ONLY=x_scale is None,
+        WIDEN_BITS=x_scale is None and bool(settings.get("widen_bits", WIDEN_BITS)),
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
-        **({"WIDEN_BITS": bool(settings.get("widen_bits", WIDEN_BITS))} if x_scale is None else {}),
     )
     if not reduce:
         return out

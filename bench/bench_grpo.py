@@ -118,14 +118,10 @@ def run_ours(
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from grpo_plugins.engine import Engine
-    from grpo_plugins.generators.static_layers import FusedLinear
 
-    overrides = dict(overrides or {})
-    # Not a config key: the static generator's float8 decode through the weight-only kernel.
-    FusedLinear.weight_only_decode = bool(overrides.pop("bench_fp8_weight_only", False))
     tokenizer = load_tokenizer()
     model = build_model(seed=0)
-    config = {**ours_config(T, steps, warmup, generator, train_chunk_rows), **overrides}
+    config = {**ours_config(T, steps, warmup, generator, train_chunk_rows), **(overrides or {})}
     engine = Engine(config, model=model, tokenizer=tokenizer, rewards=[length_reward], dataset=dataset())
     ends: list[float] = []
     original = Engine._optimizer_step
@@ -427,8 +423,7 @@ def main() -> None:
         "--ours-variants",
         default=None,
         help='JSON {"name": {config overrides}, ...}: run the Engine once per entry (named "ours<name>") '
-        'instead of once; e.g. \'{"": {}, " c16": {"train_chunk_rows": 16}}\'; "bench_fp8_weight_only": true (not a '
-        'config key) decodes float8 through the weight-only kernel',
+        'instead of once; e.g. \'{"": {}, " c16": {"train_chunk_rows": 16}}\'',
     )
     parser.add_argument("--shape", default="smol-vocab-0.4b", help="model shape: " + ", ".join(_common.SHAPES))
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")

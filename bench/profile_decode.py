@@ -17,9 +17,7 @@ Variants: ``dynamic`` (the shipped setting: regional compile, symbolic shapes), 
 the copy is small); ``matmul``: ``dynamic`` with the decode attention as torch operations
 (RoPE, cache writes, two batched products and a softmax) instead of the Triton kernel
 (``fused_attention: false``); ``fp8``: ``dynamic``
-decoding from float8 weight copies; ``fp8w``: the same with the decode products weight-only
-(16-bit inputs, each float8 weight tile widened in the kernel: no quantised activations),
-``fp8wb`` the same widening bfloat16 tiles through float16's bits; ``tuned``: merged weights compiled with max-autotune (Triton
+decoding from float8 weight copies; ``tuned``: merged weights compiled with max-autotune (Triton
 matrix-product templates compete with cuBLAS); ``onewindow``: ``dynamic`` with one attention
 window over the whole cache (every step reads all of it, as before attention windows);
 ``swapped`` / ``pdl``: merged weights with every product by ``bench/pdl_chain.py``'s
@@ -70,8 +68,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"compile": True, "dynamic": True, "mode": None, "merge_weights": True},
     "unmerged": {"compile": True, "dynamic": True, "mode": None, "merge_weights": False},
     "fp8": {"compile": True, "dynamic": True, "mode": None, "fp8": True},
-    "fp8w": {"compile": True, "dynamic": True, "mode": None, "fp8": True, "weight_only": True},
-    "fp8wb": {"compile": True, "dynamic": True, "mode": None, "fp8": True, "weight_only": True, "widen_bits": True},
     "tuned": {"compile": True, "dynamic": True, "mode": "max-autotune-no-cudagraphs", "merge_weights": True},
     "onewindow": {"compile": True, "dynamic": True, "mode": None, "window_step": 1 << 30},
     "matmul": {"compile": True, "dynamic": True, "mode": None, "fused_attention": False},
@@ -99,12 +95,6 @@ def _decoder(model: Any, tokens: int, variant: dict[str, Any]) -> Any:
     from grpo_plugins.generators.static_decode import StaticDecoder, decode_head, decode_layer, decode_step
     from grpo_plugins.kinds import SamplingSettings
 
-    from grpo_plugins.generators.static_layers import FusedLinear
-
-    from grpo_plugins.generators import fp8_products
-
-    FusedLinear.weight_only_decode = variant.get("weight_only", False)
-    fp8_products.WIDEN_BITS = variant.get("widen_bits", False)
     sampling = SamplingSettings(max_completion_length=tokens, temperature=1.0)
     dec = StaticDecoder(
         model, sampling, eos_ids=[0], pad_id=0, compile=False, stop_at_eos=False,

@@ -31,9 +31,6 @@ except ImportError:  # CPU-only torch builds ship without Triton
 #: The most input rows the kernel takes (all in one tile); larger products go to torch.
 MAX_ROWS = 128
 
-#: The weight-only kernel widens bfloat16 weights through float16's bits (see ``_widen``).
-WIDEN_BITS = False
-
 
 def fp8_kernel_unsupported(device: torch.device) -> str | None:
     """Why :func:`fp8_rows_mm` cannot run on ``device`` (None: it can)."""
@@ -49,27 +46,10 @@ def fp8_kernel_unsupported(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _widen(w, dtype: tl.constexpr, BITS: tl.constexpr):
-        """float8 e4m3 ``w`` as ``dtype``, exactly. ``BITS`` (bfloat16): through float16 (one
-        packed conversion for two values) and then the bits, rebiasing float16's exponent to
-        bfloat16's, instead of a conversion instruction per value."""
-        if BITS and dtype == tl.bfloat16:
-            h = w.to(tl.float16).to(tl.uint16, bitcast=True)
-            magnitude = h & 0x7FFF
-            # float16 1.eeeee.mmm0000000 -> bfloat16 1.eeeeeeee.mmm0000 (every e4m3 value is a
-            # normal float16 or zero; exponent bias 15 -> 127, so +112 on the exponent field)
-            bits = (h & 0x8000) | tl.where(magnitude == 0, 0, (magnitude >> 3) + (112 << 7)).to(tl.uint16)
-            return bits.to(tl.bfloat16, bitcast=True)
-        return w.to(dtype)
-
-    @triton.jit
-    def _rows_kernel(
+    def _fp8_rows_kernel(
         w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        WEIGHT_ONLY: tl.constexpr = False, WIDEN_BITS: tl.constexpr = False,
     ):
-        # WEIGHT_ONLY: x is 16-bit and has no scale (xs_ptr unused); each float8 weight tile is
-        # widened to x's dtype in registers, so no kernel quantises the activations first.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,16 +67,11 @@ if triton is not None:
                 inside = (k0 + rk)[None, :] < K
                 w = tl.load(w_rows + (k0 + rk)[None, :], mask=(rn[:, None] < N) & inside, other=0.0)
                 x = tl.load(x_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & inside, other=0.0)
-            if WEIGHT_ONLY:
-                acc = tl.dot(_widen(w, x.dtype, WIDEN_BITS), tl.trans(x), acc)
-            else:
-                # Hopper's float8 tensor cores add in reduced precision; promoting the sum to
-                # float32 after each block (as cuBLASLt does unless told to accumulate fast)
-                # keeps it exact.
-                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
+            # Hopper's float8 tensor cores add in reduced precision; promoting the sum to float32
+            # after each block (as cuBLASLt does unless told to accumulate fast) keeps it exact.
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)  # (BLOCK_N, BLOCK_M) float32
         acc = acc * tl.load(ws_ptr + rn, mask=rn < N, other=0.0)[:, None]
-        if not WEIGHT_ONLY:
-            acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
+        acc = acc * tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[None, :]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
 
@@ -106,55 +81,45 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan(M: int, N: int, K: int, sms: int, input_bytes: int = 1) -> dict[str, int]:
+def plan(M: int, N: int, K: int, sms: int) -> dict[str, int]:
     """Launch settings for an (M, K) x (N, K)^T product on a GPU with ``sms`` multiprocessors,
     from a sweep on an H200 (``bench/fp8_decode.py``, the sum promoted to float32 per K block):
     128-row weight tiles where there are two per SM, 256-deep K blocks for very long rows, and
-    K split (at most 4 ways) until there are about two programs per SM. ``input_bytes``: 2 for
-    16-bit inputs (the weight-only kernel), whose larger tiles allow fewer pipeline stages."""
+    K split (at most 4 ways) until there are about two programs per SM."""
     if N // 128 >= 2 * sms:
-        settings = {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 3}
-    else:
-        block_k = 256 if K >= 8192 else 128
-        tiles = -(-N // 64)
-        split = 1
-        while split < 4 and tiles * split < 2 * sms and K // (block_k * split * 2) >= 3:
-            split *= 2
-        settings = {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
-    if input_bytes > 1:  # each stage holds a 16-bit input tile, and the widened weight tile needs room
-        stage_bytes = settings["block_k"] * (settings["block_n"] + max(16, M) * input_bytes)
-        settings["num_stages"] = max(2, min(settings["num_stages"], 160 * 1024 // stage_bytes))
-    return settings
+        return {"block_n": 128, "block_k": 128, "split": 1, "num_warps": 4, "num_stages": 3}
+    block_k = 256 if K >= 8192 else 128
+    tiles = -(-N // 64)
+    split = 1
+    while split < 4 and tiles * split < 2 * sms and K // (block_k * split * 2) >= 3:
+        split *= 2
+    return {"block_n": 64, "block_k": block_k, "split": split, "num_warps": 4, "num_stages": 6 if block_k == 256 else 4}
 
 
 def run_kernel(
-    x: torch.Tensor, x_scale: torch.Tensor | None, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+    x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
     config: dict[str, int] | None = None, reduce: bool = True,
 ) -> torch.Tensor:
-    """``(x * x_scale) @ (w8 * w_scale)^T`` in ``out_dtype``: ``w8`` (N, K) float8 e4m3,
-    ``w_scale`` (N,) or (1, N) float32, ``x`` (M, K) with M <= 128, either float8 e4m3 with
-    ``x_scale`` (M,) or (M, 1) float32, or 16-bit with ``x_scale=None`` (the weight-only kernel:
-    each weight tile widened to ``x``'s dtype, the input used as it is). ``reduce=False``: the
-    (splits, M, N) partial sums over K instead (float32 when several, in ``out_dtype`` when one),
-    for the caller to add where it can fuse the sum. ``config`` (benchmarks): launch settings
-    instead of :func:`plan`'s."""
+    """``(x8 * x_scale) @ (w8 * w_scale)^T`` in ``out_dtype``: ``x8`` (M, K) and ``w8`` (N, K)
+    float8 e4m3, ``x_scale`` (M,) or (M, 1) and ``w_scale`` (N,) or (1, N) float32, M <= 128.
+    ``reduce=False``: the (splits, M, N) partial sums over K instead (float32 when several, in
+    ``out_dtype`` when one), for the caller to add where it can fuse the sum. ``config``
+    (benchmarks): launch settings instead of :func:`plan`'s."""
     if triton is None:
         raise RuntimeError("the float8 decode kernel needs Triton")
-    M, K = x.shape
+    M, K = x8.shape
     N = w8.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the float8 decode kernel takes at most {MAX_ROWS} rows, not {M}")
-    settings = plan(M, N, K, _sms(x.device), x.element_size()) | (config or {})
+    settings = plan(M, N, K, _sms(x8.device)) | (config or {})
     block_k, k_per_split, split = _split(K, settings)
     # One split stores in out_dtype (the store rounds once); several store float32 partials.
-    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    w_scale = w_scale.reshape(-1).contiguous()
-    _rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
-        w8, x.contiguous(), w_scale, w_scale if x_scale is None else x_scale.reshape(-1).contiguous(), out,
+    out = torch.empty(split, M, N, dtype=out_dtype if split == 1 else torch.float32, device=x8.device)
+    _fp8_rows_kernel[(triton.cdiv(N, settings["block_n"]), split)](
+        w8, x8.contiguous(), w_scale.reshape(-1).contiguous(), x_scale.reshape(-1).contiguous(), out,
         M, N, K, k_per_split,
         BLOCK_N=settings["block_n"], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_K=block_k,
-        EVEN_K=K % k_per_split == 0, WEIGHT_ONLY=x_scale is None,
-        WIDEN_BITS=x_scale is None and bool(settings.get("widen_bits", WIDEN_BITS)),
+        EVEN_K=K % k_per_split == 0,
         num_warps=settings["num_warps"], num_stages=settings["num_stages"],
     )
     if not reduce:
@@ -182,36 +147,13 @@ def fp8_rows_mm(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_sca
 
 @fp8_rows_mm.register_fake
 def _(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
-    return _partials_like(x8, w8, out_dtype)
-
-
-@torch.library.custom_op("grpo_plugins::w8_rows_mm", mutates_args=())
-def w8_rows_mm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The weight-only kernel's partial sums (16-bit ``x``, no input scale) as an opaque op to
-    ``torch.compile``, like :func:`fp8_rows_mm`."""
-    return run_kernel(x, None, w8, w_scale, out_dtype, reduce=False)
-
-
-@w8_rows_mm.register_fake
-def _(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> Any:
-    return _partials_like(x, w8, out_dtype)
-
-
-def _partials_like(x: torch.Tensor, w8: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    M, K = x.shape
+    M, K = x8.shape
     N = w8.shape[0]
-    split = _split(K, plan(M, N, K, _sms(x.device), x.element_size()))[2]
-    return x.new_empty((split, M, N), dtype=out_dtype if split == 1 else torch.float32)
+    split = _split(K, plan(M, N, K, _sms(x8.device)))[2]
+    return x8.new_empty((split, M, N), dtype=out_dtype if split == 1 else torch.float32)
 
 
 def fp8_rows_product(x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The (M, N) product through :func:`fp8_rows_mm`, its partial sums added in ``out_dtype``."""
     parts = fp8_rows_mm(x8, x_scale, w8, w_scale, out_dtype)
     return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(out_dtype)
-
-
-def w8_rows_product(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """The (M, N) product of a 16-bit ``x`` and float8 weights through :func:`w8_rows_mm`, in
-    ``x``'s dtype, its partial sums added."""
-    parts = w8_rows_mm(x, w8, w_scale, x.dtype)
-    return parts[0] if parts.shape[0] == 1 else parts.sum(0).to(x.dtype)

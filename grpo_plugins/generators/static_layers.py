@@ -13,12 +13,7 @@ import torch.nn.functional as F
 from grpo_plugins.errors import GRPOPluginsError
 from grpo_plugins.fp8_base import Float8Linear, quantize_rows
 from grpo_plugins.generators.common import base_model
-from grpo_plugins.generators.fp8_products import (
-    MAX_ROWS as FP8_KERNEL_ROWS,
-    fp8_kernel_unsupported,
-    fp8_rows_product,
-    w8_rows_product,
-)
+from grpo_plugins.generators.fp8_products import MAX_ROWS as FP8_KERNEL_ROWS, fp8_kernel_unsupported, fp8_rows_product
 from grpo_plugins.multimodal import placeholder_token_ids
 
 #: model_type values whose decoder layers this loop reproduces exactly.
@@ -166,19 +161,11 @@ class FusedLinear(torch.nn.Module):
     steps); the copy keeps its address, so a captured graph sees the new values.
 
     ``fp8``: the copy is float8 e4m3 with one scale per output channel, and the input is
-    quantised to float8 per row at each call (float32 accumulation): half the bytes of a 16-bit
-    weight to read per decode step, at float8's precision (3 mantissa bits). Decode batches (at
-    most 128 rows) on a GPU with Triton go through a kernel made for few rows
-    (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through
-    ``torch._scaled_mm``.
+    quantised to float8 per row at each call (``torch._scaled_mm``, float32 accumulation): half
+    the bytes of a 16-bit weight to read per decode step, at float8's precision (3 mantissa bits).
+    Decode batches (at most 128 rows) on a GPU with Triton go through a kernel made for few rows
+    (:mod:`~grpo_plugins.generators.fp8_products`); longer inputs (prefill) through ``_scaled_mm``.
     """
-
-    #: True: multiply the float8 weights by the 16-bit input as it is instead (the weight-only
-    #: kernel widens each weight tile in registers; longer inputs through a 16-bit copy of the
-    #: weight): no kernels quantise the input, and only the weights lose precision. Checked on
-    #: the CPU and compiled for Hopper, not yet timed on a GPU, so off (``bench/fp8_decode.py``,
-    #: ``bench/profile_decode.py --variants fp8w``).
-    weight_only_decode = False
 
     def __init__(self, sources: list[Any], fp8: bool = False) -> None:
         super().__init__()
@@ -228,17 +215,10 @@ class FusedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        kernel = self.rows_kernel and rows.shape[0] <= FP8_KERNEL_ROWS
-        if self.weight_only_decode and kernel and rows.dtype in (torch.bfloat16, torch.float16):
-            y = w8_rows_product(rows, self.weight, self.scale)
-        elif self.weight_only_decode:
-            y = (F.linear(rows, self.weight.to(rows.dtype)) * self.scale).to(rows.dtype)
-        elif kernel:
-            x8, scale = quantize_rows(rows)
+        x8, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        if self.rows_kernel and x8.shape[0] <= FP8_KERNEL_ROWS:
             y = fp8_rows_product(x8, scale, self.weight, self.scale, x.dtype)
         else:
-            x8, scale = quantize_rows(rows)
             y = torch._scaled_mm(x8, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
         if self.bias is not None:  # not _scaled_mm's bias: some builds refuse it with row-wise scales
             y = y + self.bias
